@@ -1,0 +1,220 @@
+"""Hugging Face checkpoints on disk: a lazy reader and an atomic sharded writer.
+
+The reader opens `model.safetensors` or the shards listed by `model.safetensors.index.json` and
+reads one tensor at a time; shapes and dtypes come from the headers without reading data.
+The writer fills shards up to a size bound, writes them into a temporary folder beside the target
+and renames it into place only when everything succeeded, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable or inconsistent."""
+
+
+class TensorInfo:
+    __slots__ = ("file", "shape", "dtype")
+
+    def __init__(self, file: Path, shape: tuple[int, ...], dtype: torch.dtype):
+        self.file, self.shape, self.dtype = file, shape, dtype
+
+
+def _read_header(path: Path) -> dict:
+    """Parse and validate a safetensors header: every tensor's byte range must lie inside the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            raw_length = handle.read(8)
+            if len(raw_length) < 8:
+                raise CheckpointError(f"{path} is not a safetensors file: it is {size} bytes long")
+            (header_length,) = struct.unpack("<Q", raw_length)
+            if 8 + header_length > size:
+                raise CheckpointError(f"{path} is truncated: its header claims {header_length} bytes, the file has {size}")
+            header = json.loads(handle.read(header_length))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON") from None
+    data_size = size - 8 - header_length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        if end > data_size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name} ends at byte {end} of a {data_size}-byte data section"
+            )
+    return header
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a Hugging Face checkpoint folder."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder} is not a folder")
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self._files():
+            for name, entry in _read_header(file).items():
+                if name == "__metadata__":
+                    continue
+                dtype = _DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']}")
+                if name in self.tensors:
+                    raise CheckpointError(f"{self.folder}: tensor {name} appears in both {self.tensors[name].file.name} and {file.name}")
+                self.tensors[name] = TensorInfo(file, tuple(entry["shape"]), dtype)
+        self._handles: dict[Path, object] = {}
+
+    def _files(self) -> list[Path]:
+        index = self.folder / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise CheckpointError(f"{index} is not a valid index: no JSON weight_map") from None
+            files = sorted({self.folder / shard for shard in weight_map.values()})
+            for file in files:
+                if not file.exists():
+                    raise CheckpointError(f"{index} lists {file.name}, which does not exist")
+            return files
+        single = self.folder / SINGLE_FILE
+        if not single.exists():
+            raise CheckpointError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        return [single]
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (a fresh CPU tensor; the file is memory-mapped, not loaded)."""
+        file = self.tensors[name].file
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: cannot read tensor {name}: {error}") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardedWriter:
+    """Write tensors into shards of at most `max_shard_bytes`, atomically into `folder`.
+
+        with ShardedWriter(out_dir) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.copy_file(src_dir / "config.json")
+    """
+
+    def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def __enter__(self) -> ShardedWriter:
+        self._stage = staged_folder(self.folder)
+        self.staging = self._stage.__enter__()
+        return self
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        # contiguous copy: the caller's tensor may be a view into a larger (e.g. gathered) buffer
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def copy_file(self, source: Path) -> None:
+        shutil.copy2(source, self.staging / source.name)
+
+    def write_json(self, name: str, content: dict) -> None:
+        (self.staging / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+    def _flush(self) -> None:
+        save_file(self._pending, self.staging / f"shard-{len(self._shards)}.tmp", metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                if self._pending or not self._shards:
+                    self._flush()
+                self._finalise_shard_names()
+            except BaseException as error:  # the staging folder goes, the error propagates
+                return self._stage.__exit__(type(error), error, error.__traceback__)
+        return self._stage.__exit__(exc_type, exc, tb)
+
+    def _finalise_shard_names(self) -> None:
+        count = len(self._shards)
+        if count == 1:
+            os.replace(self.staging / "shard-0.tmp", self.staging / SINGLE_FILE)
+            return
+        weight_map = {}
+        for number, names in enumerate(self._shards):
+            final = f"model-{number + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.staging / f"shard-{number}.tmp", self.staging / final)
+            weight_map.update(dict.fromkeys(names, final))
+        self.write_json(INDEX_FILE, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+
+
+def create_staging_folder(target: Path) -> Path:
+    """A fresh folder beside `target` (same filesystem, so the final rename is atomic)."""
+    target = Path(target)
+    if target.exists():
+        raise CheckpointError(f"output folder {target} already exists; choose a new path or remove it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+
+
+def publish_staging_folder(staging: Path, target: Path) -> None:
+    if target.exists():
+        raise CheckpointError(f"output folder {target} appeared while writing; nothing was replaced")
+    os.replace(staging, target)
+
+
+@contextlib.contextmanager
+def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a staging folder that becomes `target` on success and disappears on failure."""
+    staging = create_staging_folder(Path(target))
+    try:
+        yield staging
+        publish_staging_folder(staging, Path(target))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

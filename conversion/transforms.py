@@ -1,0 +1,122 @@
+"""How one Megatron tensor is made from its Hugging Face tensors, and back.
+
+A transform works on *full* tensors. On the Megatron side "full" means the concatenation of every
+tensor-parallel rank's shard along the parameter's partition dimension, so that the engine can
+shard and gather with a plain chunk / cat whatever the layout inside a shard is. Transforms whose
+full layout depends on the TP size (the fused [gate; up] of a SwiGLU MLP) receive it.
+
+Every transform keeps the source dtype: values are only moved, never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Transform:
+    """`to_megatron(hf_tensors, megatron_shape, tp) -> tensor` and `to_hf(tensor, tp) -> hf_tensors`."""
+
+    def to_megatron(self, hf: list[torch.Tensor], megatron_shape: torch.Size, tp: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_hf(self, megatron: torch.Tensor, tp: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class Direct(Transform):
+    """One tensor, same layout on both sides (norms, dense projections, replicated or TP-split)."""
+
+    def to_megatron(self, hf, megatron_shape, tp):
+        (tensor,) = hf
+        return tensor
+
+    def to_hf(self, megatron, tp):
+        return [megatron]
+
+    def __repr__(self) -> str:
+        return "Direct()"
+
+
+class PadVocab(Transform):
+    """Embedding / output layer rows padded from `vocab_size` to Megatron's TP-divisible vocab.
+
+    The padding rows are zeros; `modelzoo` masks their logits, so they never receive probability.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def to_megatron(self, hf, megatron_shape, tp):
+        (tensor,) = hf
+        padding = megatron_shape[0] - tensor.shape[0]
+        if padding == 0:
+            return tensor
+        return torch.cat([tensor, tensor.new_zeros((padding, *tensor.shape[1:]))])
+
+    def to_hf(self, megatron, tp):
+        return [megatron[: self.vocab_size]]
+
+    def __repr__(self) -> str:
+        return f"PadVocab({self.vocab_size})"
+
+
+class FusedQKV(Transform):
+    """q, k, v projections <-> Megatron's linear_qkv, interleaved per query group.
+
+    Megatron layout (rows): for each KV group g: its heads_per_group query heads, then k_g, then v_g.
+    Sharding rows by TP then hands each rank whole groups, so the layout does not depend on TP.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def to_megatron(self, hf, megatron_shape, tp):
+        q, k, v = hf
+        groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        tail = q.shape[1:]
+        fused = torch.cat(
+            [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)],
+            dim=1,
+        )
+        return fused.reshape(groups * (per_group + 2) * d, *tail)
+
+    def to_hf(self, megatron, tp):
+        groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        tail = megatron.shape[1:]
+        grouped = megatron.reshape(groups, (per_group + 2) * d, *tail)
+        q, k, v = grouped.split([per_group * d, d, d], dim=1)
+        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+
+    def __repr__(self) -> str:
+        return f"FusedQKV(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+
+
+class FusedGateUp(Transform):
+    """gate and up projections <-> Megatron's linear_fc1 of a gated MLP.
+
+    Each TP rank holds [gate_r; up_r], so the full tensor is [gate_0; up_0; gate_1; up_1; ...].
+    """
+
+    def to_megatron(self, hf, megatron_shape, tp):
+        gate, up = hf
+        return torch.cat([part for pair in zip(gate.chunk(tp), up.chunk(tp)) for part in pair])
+
+    def to_hf(self, megatron, tp):
+        shards = [shard.chunk(2) for shard in megatron.chunk(tp)]
+        return [torch.cat([gate for gate, _ in shards]), torch.cat([up for _, up in shards])]
+
+    def __repr__(self) -> str:
+        return "FusedGateUp()"
+
+
+class Stack(Transform):
+    """N tensors of one shape <-> one tensor with a new leading dimension (per-expert weights)."""
+
+    def to_megatron(self, hf, megatron_shape, tp):
+        return torch.stack(hf)
+
+    def to_hf(self, megatron, tp):
+        return list(megatron.unbind(0))
+
+    def __repr__(self) -> str:
+        return "Stack()"

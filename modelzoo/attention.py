@@ -1,0 +1,127 @@
+"""Causal (optionally sliding-window) softmax attention with two implementations behind one switch.
+
+- "exact": the eager math of transformers' `eager_attention_forward` (scores in the input dtype,
+  softmax in fp32). It runs anywhere and is the parity path.
+- "fast": `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels on
+  GPU) for causal attention, and `flex_attention` with a sliding-window block mask on GPU.
+
+Tensors are [batch, heads, seq, head_dim]; keys and values may have fewer heads (GQA). Queries
+and keys share positions (self-attention over the same sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+AttentionImpl = Literal["exact", "fast"]
+IMPLEMENTATIONS = ("exact", "fast")
+
+
+def window_mask(seq_len: int, window: int | None, device: torch.device) -> Tensor:
+    """[seq, seq] bool, True where query t may see key s: s <= t and (no window or s > t - window)."""
+    query = torch.arange(seq_len, device=device)[:, None]
+    key = torch.arange(seq_len, device=device)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed &= key > query - window
+    return allowed
+
+
+def _repeat_kv(tensor: Tensor, times: int) -> Tensor:
+    return tensor if times == 1 else tensor.repeat_interleave(times, dim=1)
+
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+                    dropout: float = 0.0) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~window_mask(q.shape[2], window, q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
+
+
+def fast_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+                   dropout: float = 0.0) -> Tensor:
+    if window is None or window >= q.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    if q.is_cuda and dropout == 0.0:
+        return _flex_sliding_window(q, k, v, scale, window)
+    # CPU (or dropout): SDPA with an explicit mask has the same math as the flex kernel
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[2], window, q.device),
+                                          scale=scale, dropout_p=dropout, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+              impl: AttentionImpl = "exact", dropout: float = 0.0) -> Tensor:
+    if impl == "exact":
+        return eager_attention(q, k, v, scale, window, dropout)
+    if impl == "fast":
+        return fast_attention(q, k, v, scale, window, dropout)
+    raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _sliding_block_mask(seq_len: int, window: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding_causal(batch, head, query, key):
+        return (key <= query) & (key > query - window)
+
+    return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
+
+
+def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> Tensor:
+    block_mask = _sliding_block_mask(q.shape[2], window, q.device)
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+                                      enable_gqa=k.shape[1] != q.shape[1])
+
+
+class CoreAttention(torch.nn.Module):
+    """Megatron-Core `core_attention` submodule backed by `attention()` (no parameters).
+
+    Drop-in for the local spec's DotProductAttention: takes [seq, batch, heads, head_dim] query, key
+    and value for this rank's heads and returns [seq, batch, heads * head_dim]. Always causal;
+    `window` makes it sliding-window, `impl` picks the exact or the fast kernel.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,
+                 softmax_scale: float | None = None, impl: AttentionImpl = "exact",
+                 window: int | None = None, **unused_megatron_kwargs):
+        super().__init__()
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+        self.config, self.impl, self.window = config, impl, window
+        head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("CoreAttention is causal over unpadded sequences: attention masks, biases "
+                             "and packed sequences are not supported")
+        dropout = self.config.attention_dropout if self.training else 0.0
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if dropout > 0:
+            from megatron.core import tensor_parallel
+
+            # heads are split across TP ranks: each rank draws its own dropout mask (Megatron's rule)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = attention(q, k, v, self.scale, self.window, self.impl, dropout)
+        else:
+            out = attention(q, k, v, self.scale, self.window, self.impl)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

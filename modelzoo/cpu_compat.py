@@ -1,0 +1,177 @@
+"""The one place where modelzoo touches Megatron-Core private behaviour, so that it runs without CUDA.
+
+Megatron-Core 0.19 assumes a GPU in a handful of places. None of them matter for the math, so on a
+machine without CUDA (CI, laptops, the parity tests) we replace exactly those places. Every patch is
+applied by `apply()`, only when `torch.cuda.is_available()` is False, and each has a test in
+`tests/test_cpu_compat.py`. On a GPU machine `apply()` does nothing.
+
+| upstream                                                        | why it fails without CUDA                     |
+|-----------------------------------------------------------------|-----------------------------------------------|
+| RotaryEmbedding.get_emb (models/common/embeddings)              | moves `inv_freq` to torch.cuda.current_device()|
+| utils.GlobalMemoryBuffer.get_tensor (DotProductAttention's QK^T) | allocates on torch.cuda.current_device()      |
+| transformer.utils.get_default_causal_mask (and its importers)   | allocates the mask on "cuda"                  |
+| tensor_parallel.random: _get/_set_cuda_rng_state, the RNG tracker| reads and seeds the CUDA generator            |
+| MoEAlltoAllTokenDispatcher.__init__                             | creates a torch.cuda.Stream                   |
+| dist_checkpointing's save/load strategies                       | torch.cuda.synchronize(), status tensors on   |
+|                                                                 | torch.cuda.current_device()                   |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+_applied = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Apply every CPU patch once; a no-op when CUDA is available."""
+    global _applied
+    if _applied or not needed():
+        return
+    _patch_rotary_embedding()
+    _patch_global_memory_buffer()
+    _patch_default_causal_mask()
+    _patch_rng()
+    _patch_alltoall_dispatcher_stream()
+    _patch_dist_checkpointing()
+    _applied = True
+
+
+def _patch_rotary_embedding() -> None:
+    # RotaryEmbedding.get_emb moves a CPU `inv_freq` to torch.cuda.current_device() on first use.
+    # Without CUDA it stays on the CPU; the rest is upstream's get_emb (0.19.2) line for line.
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb
+
+
+def _patch_global_memory_buffer() -> None:
+    # GlobalMemoryBuffer.get_tensor (the scratch buffer of the local spec's DotProductAttention)
+    # allocates on torch.cuda.current_device(); without CUDA the same buffer lives on the CPU.
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = math.prod(tensor_shape)
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required_len:
+            buffer = self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype)
+        return buffer[0:required_len].view(*tensor_shape)
+
+    GlobalMemoryBuffer.get_tensor = get_tensor
+
+
+def _causal_mask_on_cpu(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _patch_default_causal_mask() -> None:
+    # transformer.utils.get_default_causal_mask allocates on "cuda"; the softmax imports it by name,
+    # so each module holding a reference gets the CPU version.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    for module in (utils, fused_softmax):
+        if hasattr(module, "get_default_causal_mask"):
+            module.get_default_causal_mask = _causal_mask_on_cpu
+
+
+def _patch_rng() -> None:
+    # Megatron keeps separate generator states for tensor-parallel regions (dropout in sharded
+    # activations, weight init) and swaps them in and out of the *CUDA* generator; activation
+    # recompute saves and restores the CUDA generator too. Without CUDA the same bookkeeping is done
+    # on the CPU generator, which is where the random numbers of a CPU run come from.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    mp_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    mp_random.CudaRNGStatesTracker.fork = _cpu_tracker_fork
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """CudaRNGStatesTracker.add, with the CPU generator in place of the CUDA one."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+@contextlib.contextmanager
+def _cpu_tracker_fork(self, name: str = "model-parallel-rng"):
+    """CudaRNGStatesTracker.fork on the CPU generator (upstream also warns when the CPU state moves)."""
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    outer_state = torch.get_rng_state()
+    torch.set_rng_state(self.states_[name])
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer_state)
+
+
+def _patch_alltoall_dispatcher_stream() -> None:
+    # MoEAlltoAllTokenDispatcher.__init__ creates a class-level torch.cuda.Stream used only to overlap
+    # device-to-host copies of token counts; without CUDA there is nothing to overlap. A placeholder
+    # set before __init__ makes upstream skip the creation.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = contextlib.nullcontext()
+
+
+def _patch_dist_checkpointing() -> None:
+    # The torch_dist save/load path calls torch.cuda.synchronize() (nothing to wait for without CUDA)
+    # and puts small status tensors for all-reduces on torch.cuda.current_device() (gloo wants CPU).
+    # The patch is confined to those modules: their `torch` global becomes a view of torch whose
+    # `cuda.synchronize` is a no-op and whose `cuda.current_device()` is the CPU.
+    import importlib
+
+    for module_name in (
+        "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "megatron.core.dist_checkpointing.strategies.fully_parallel",
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    ):
+        module = importlib.import_module(module_name)
+        if module.torch is torch:
+            module.torch = _TorchOnCpu()
+
+
+class _CudaOnCpu:
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
+class _TorchOnCpu:
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)

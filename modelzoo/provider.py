@@ -1,0 +1,213 @@
+"""`ModelProvider`: what a trainer gets from `build_provider` for one checkpoint.
+
+    provider = modelzoo.build_provider("path/to/hf_checkpoint", attention="fast")
+    with modelzoo.runtime.parallel(tp=2):
+        model = provider.provide()                 # Megatron-Core module, this rank's shard
+        provider.load_hf_weights(model)            # streamed from the checkpoint
+        logprobs = provider.token_logprobs(model, input_ids)
+        for name, tensor in provider.export_hf_weights(model): ...
+
+An architecture subclasses it and fills in four things: the TransformerConfig fields, the module,
+the mapping table and the forward call. Everything else (parallel sizes, vocabulary padding,
+weight movement, log-probabilities) is generic and lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import PretrainedConfig
+
+from conversion import engine
+from conversion.mapping import MappingTable
+from conversion.safetensors_io import CheckpointReader, ShardedWriter
+from modelzoo import runtime
+from modelzoo.attention import IMPLEMENTATIONS
+
+# files carried from an HF checkpoint folder to an exported one besides config.json and the weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+# Megatron-LM's default --make-vocab-size-divisible-by: a checkpoint we write loads there unchanged
+VOCAB_PADDING_MULTIPLE = 128
+
+
+class ModelProvider:
+    """Builds the Megatron model of one HF config and moves its weights both ways."""
+
+    name: ClassVar[str]                     # the registry name, e.g. "llama"
+    hf_model_types: ClassVar[tuple[str, ...]]
+    hf_architectures: ClassVar[tuple[str, ...]]
+
+    def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
+                 attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
+        if attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={attention!r} is not one of {IMPLEMENTATIONS}")
+        self.hf_config = hf_config
+        self.hf_dir = Path(hf_dir) if hf_dir is not None else None
+        self.attention = attention
+        self.params_dtype = params_dtype
+        self.config_overrides = config_overrides
+        self.check_supported()
+
+    # --- what an architecture provides -------------------------------------------------------
+    @classmethod
+    def hf_config_class(cls) -> type[PretrainedConfig]:
+        raise NotImplementedError
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming any config field this implementation does not support."""
+
+    def transformer_config_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def build_model(self, config) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def mapping(self) -> MappingTable:
+        raise NotImplementedError
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary shard, [batch, seq, padded_vocab / tp]."""
+        raise NotImplementedError
+
+    def hf_model_class(self):
+        """The transformers class that is the parity oracle for this architecture."""
+        raise NotImplementedError
+
+    # --- generic ------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def padded_vocab_size(self, tp: int | None = None) -> int:
+        tp = tp if tp is not None else _parallel_sizes()["tensor_model_parallel_size"]
+        multiple = math.lcm(VOCAB_PADDING_MULTIPLE, tp)
+        return -(-self.vocab_size // multiple) * multiple
+
+    def transformer_config(self):
+        from megatron.core.transformer import TransformerConfig
+
+        fields = dict(
+            params_dtype=self.params_dtype,
+            bf16=self.params_dtype == torch.bfloat16,
+            fp16=self.params_dtype == torch.float16,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **_parallel_sizes(),
+        )
+        fields.update(self.transformer_config_fields())
+        fields.update(self.config_overrides)
+        tp, heads = fields["tensor_model_parallel_size"], fields["num_attention_heads"]
+        groups = fields.get("num_query_groups") or heads
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide the attention heads ({heads}) and the key/value "
+                f"heads ({groups}) of this {self.name} model"
+            )
+        return TransformerConfig(**fields)
+
+    def provide(self) -> torch.nn.Module:
+        """The Megatron module for the current parallel state, on the current device."""
+        return self.build_model(self.transformer_config()).to(runtime.device())
+
+    def load_hf_weights(self, model: torch.nn.Module, hf_dir: str | Path | None = None, progress: bool = True) -> None:
+        folder = Path(hf_dir) if hf_dir is not None else self.hf_dir
+        if folder is None:
+            raise ValueError("load_hf_weights needs hf_dir: this provider was built from a config, not a folder")
+        reader = CheckpointReader(folder)
+        try:
+            engine.load_hf_weights(model, self.mapping(), reader, progress=progress)
+        finally:
+            reader.close()
+
+    def export_hf_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream `(hf_name, full tensor)`; every TP rank must iterate (gathers are collective)."""
+        return engine.export_hf_weights(model, self.mapping())
+
+    def save_hf(self, model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
+                source_dir: str | Path | None = None) -> int:
+        """Write an HF checkpoint folder atomically; returns bytes of weights written.
+
+        Collective: every rank calls it, rank 0 writes. Tokenizer files are copied from
+        `source_dir` (default: the folder this provider was built from) when present.
+        """
+        source = Path(source_dir) if source_dir is not None else self.hf_dir
+        tensors = self.export_hf_weights(model)
+        if not _is_rank_zero():
+            for _ in tensors:  # take part in the gathers
+                pass
+            return 0
+        with ShardedWriter(out_dir, max_shard_bytes) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.write_json("config.json", self.hf_config.to_dict())
+            for file_name in TOKENIZER_FILES:
+                if source is not None and (source / file_name).exists():
+                    writer.copy_file(source / file_name)
+        return writer.total_bytes
+
+    def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """log p(t[i+1] | t[:i+1]) for each position, [batch, seq - 1], fp32, on every TP rank."""
+        from megatron.core import tensor_parallel
+
+        logits = self.forward(model, input_ids)[:, :-1].float()
+        logits = _mask_vocab_padding(logits, self.vocab_size)
+        targets = input_ids[:, 1:]
+        # [seq, batch] layout is what Megatron's vocab-parallel cross entropy expects
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                            targets.transpose(0, 1).contiguous())
+        return -loss.transpose(0, 1)
+
+    def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(self.forward(model, input_ids))
+        return logits[..., : self.vocab_size]
+
+
+def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padding, float("-inf"))
+
+
+def _parallel_sizes() -> dict[str, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is not initialised: wrap this in `modelzoo.runtime.parallel()`")
+    return dict(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+    )
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+

@@ -1,0 +1,165 @@
+"""torch.distributed + Megatron parallel state, on CPU (gloo) or GPU (nccl), brought up and torn down.
+
+    with modelzoo.runtime.parallel(tp=2):        # inside each of 2 processes (torchrun, or spawn())
+        model = provider.provide()
+
+A single process needs no launcher: `parallel()` with world size 1 starts a one-rank group itself.
+`spawn(fn, world_size)` runs `fn(rank, *args)` in that many fresh processes with a real gloo group,
+which is how the tests and the CLI exercise tensor parallelism on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from modelzoo import cpu_compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def check(self, world_size: int) -> None:
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
+            if size < 1:
+                raise ValueError(f"parallel layout: {name}={size} must be >= 1")
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"parallel layout: world size {world_size} is not divisible by tp*pp = {self.model_parallel_size}"
+            )
+        # expert parallelism splits the data-parallel replicas of each (tensor x pipeline) shard
+        if world_size % (self.model_parallel_size * self.ep):
+            raise ValueError(
+                f"parallel layout: world size {world_size} is not divisible by tp*pp*ep = "
+                f"{self.model_parallel_size * self.ep}"
+            )
+
+
+def device() -> torch.device:
+    """The device models are built on: the local GPU under nccl, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[ParallelLayout]:
+    """Bring up torch.distributed (if needed) and Megatron's parallel state; tear both down on exit.
+
+    A process group that already exists (torchrun, a trainer) is used and left alone on exit.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cpu_compat.apply()
+    layout = ParallelLayout(tp, pp, ep)
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group:
+        _init_single_process_group()
+    try:
+        layout.check(dist.get_world_size())
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield layout
+    finally:
+        parallel_state.destroy_model_parallel()
+        if owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init_single_process_group() -> None:
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        dist.init_process_group(backend=_backend(), timeout=datetime.timedelta(minutes=10))
+        return
+    dist.init_process_group(
+        backend=_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run `fn(rank, *args)` in `world_size` fresh processes joined in one process group.
+
+    Returns each rank's return value (which must be picklable across processes: tensors, numbers,
+    dicts). An exception on any rank is raised here with that rank's traceback.
+    """
+    port = free_port()
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=False)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    while len(outcome) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+            outcome[rank] = (ok, value)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcome]
+            if dead:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}")
+    for process in processes:
+        process.join()
+    for rank in range(world_size):
+        ok, value = outcome[rank]
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+    return [outcome[rank][1] for rank in range(world_size)]
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # two CPU ranks on a two-core machine: one thread each keeps them from fighting over cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        dist.init_process_group(backend=_backend(), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=10))
+        value = fn(rank, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - the traceback travels to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
