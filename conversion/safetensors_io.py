@@ -199,7 +199,11 @@ def create_staging_folder(target: Path) -> Path:
     if target.exists():
         raise CheckpointError(f"output folder {target} already exists; choose a new path or remove it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
+    return staging
 
 
 def publish_staging_folder(staging: Path, target: Path) -> None:

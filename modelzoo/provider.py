@@ -104,14 +104,19 @@ class ModelProvider:
         )
         fields.update(self.transformer_config_fields())
         fields.update(self.config_overrides)
-        tp, heads = fields["tensor_model_parallel_size"], fields["num_attention_heads"]
+        self.check_parallel_layout(fields["tensor_model_parallel_size"])
+        return TransformerConfig(**fields)
+
+    def check_parallel_layout(self, tp: int) -> None:
+        """Refuse a tensor-parallel size that does not split the heads evenly (before any work starts)."""
+        fields = self.transformer_config_fields()
+        heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
-        if heads % tp or groups % tp:
+        if tp < 1 or heads % tp or groups % tp:
             raise ValueError(
                 f"tensor parallel size {tp} must divide the attention heads ({heads}) and the key/value "
                 f"heads ({groups}) of this {self.name} model"
             )
-        return TransformerConfig(**fields)
 
     def provide(self) -> torch.nn.Module:
         """The Megatron module for the current parallel state, on the current device."""
@@ -147,8 +152,9 @@ class ModelProvider:
         with ShardedWriter(out_dir, max_shard_bytes) as writer:
             for name, tensor in tensors:
                 writer.add(name, tensor)
-            writer.write_json("config.json", self.hf_config.to_dict())
-            for file_name in TOKENIZER_FILES:
+            if source is None or not (source / "config.json").exists():
+                writer.write_json("config.json", self.hf_config.to_dict())
+            for file_name in ("config.json", *TOKENIZER_FILES):
                 if source is not None and (source / file_name).exists():
                     writer.copy_file(source / file_name)
         return writer.total_bytes

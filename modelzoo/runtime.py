@@ -111,6 +111,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class RankFailed(RuntimeError):
+    """An exception on one rank of `spawn`; `error_type` and `message` are the original's."""
+
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str):
+        super().__init__(f"rank {rank} failed with {error_type}: {message}\n{remote_traceback}")
+        self.rank, self.error_type, self.message, self.remote_traceback = rank, error_type, message, remote_traceback
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`fn(rank, *args)` on `world_size` ranks: in this process when that is one, else via `spawn`."""
+    if world_size == 1:
+        return [fn(0, *args)]
+    return spawn(fn, world_size, *args)
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run `fn(rank, *args)` in `world_size` fresh processes joined in one process group.
 
@@ -126,24 +141,25 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     ]
     for process in processes:
         process.start()
-    outcome: dict[int, tuple[bool, Any]] = {}
-    while len(outcome) < world_size:
-        try:
-            rank, ok, value = results.get(timeout=1.0)
-            outcome[rank] = (ok, value)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcome]
-            if dead:
-                for process in processes:
-                    process.kill()
-                raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}")
-    for process in processes:
-        process.join()
-    for rank in range(world_size):
-        ok, value = outcome[rank]
-        if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-    return [outcome[rank][1] for rank in range(world_size)]
+    returned: dict[int, Any] = {}
+    try:
+        while len(returned) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in returned]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}") from None
+                continue
+            if not ok:  # the other ranks may be waiting on a collective with it: stop them all
+                raise RankFailed(rank, *value)
+            returned[rank] = value
+    finally:
+        for process in processes:
+            if len(returned) < world_size:
+                process.kill()
+            process.join()
+    return [returned[rank] for rank in range(world_size)]
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None:
@@ -158,8 +174,8 @@ def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None
                                 timeout=datetime.timedelta(minutes=10))
         value = fn(rank, *args)
         results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - the traceback travels to the parent
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as error:  # noqa: BLE001 - the error travels to the parent
+        results.put((rank, False, (type(error).__name__, str(error), traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

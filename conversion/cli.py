@@ -1,0 +1,235 @@
+"""The `modelzoo` command: import, export, logprobs, parity, list.
+
+`--tp N` runs N ranks: N gloo processes on a CPU machine (N GPUs with nccl on a GPU machine).
+A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+# Megatron-Core announces every optional library it did not find (Transformer Engine, Apex, absl) and
+# deprecations of APIs modelzoo does not call; a CLI user acts on none of it. Errors still show.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
+logging.getLogger("megatron.core").setLevel(logging.ERROR)
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+import torch  # noqa: E402
+
+from conversion import megatron_ckpt  # noqa: E402
+from conversion.mapping import MappingError  # noqa: E402
+from conversion.safetensors_io import CheckpointError  # noqa: E402
+from modelzoo import runtime  # noqa: E402
+from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
+from modelzoo.provider import TOKENIZER_FILES  # noqa: E402
+from modelzoo.registry import build_provider, list_architectures  # noqa: E402
+
+# Errors that describe the user's input: reported as one line, not as a traceback.
+USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
+
+
+class ParityFailed(Exception):
+    pass
+
+
+def _summary(title: str, rows: list[tuple[str, object]]) -> None:
+    width = max(len(key) for key, _ in rows)
+    print(f"\n{title}")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def _refuse_existing(path: Path) -> None:
+    if path.exists():
+        raise FileExistsError(f"output {path} already exists; choose a new path or remove it")
+
+
+# --- import / export ----------------------------------------------------------------------------
+def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, dtype_name: str) -> int:
+    with runtime.parallel(tp=tp):
+        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
+        model = provider.provide()
+        provider.load_hf_weights(model)
+        side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
+        metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp}
+        megatron_ckpt.save(model, out_dir, metadata, side_files)
+        return sum(t.numel() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def cmd_import(args) -> int:
+    out = Path(args.megatron_dir)
+    _refuse_existing(out)
+    provider = build_provider(args.hf_dir)  # model type and layout checked before any process starts
+    provider.check_parallel_layout(args.tp)
+    start = time.perf_counter()
+    local_elements = runtime.run(_import_rank, args.tp, args.hf_dir, str(out), args.tp, args.dtype)
+    _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
+                        ("tensor parallel", args.tp), ("dtype", args.dtype),
+                        ("parameters", f"{sum(local_elements):,} (all ranks)"),
+                        ("seconds", f"{time.perf_counter() - start:.1f}")])
+    return 0
+
+
+def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, max_shard_bytes: int) -> int:
+    metadata = megatron_ckpt.read_metadata(megatron_dir)
+    hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
+    with runtime.parallel(tp=tp):
+        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
+        model = provider.provide()
+        megatron_ckpt.load(model, megatron_dir)
+        return provider.save_hf(model, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+def cmd_export(args) -> int:
+    out = Path(args.hf_dir)
+    _refuse_existing(out)
+    metadata = megatron_ckpt.read_metadata(args.megatron_dir)
+    start = time.perf_counter()
+    written = runtime.run(_export_rank, args.tp, args.megatron_dir, str(out), args.tp, args.max_shard_bytes)[0]
+    _summary("export", [("architecture", metadata["architecture"]), ("source", args.megatron_dir),
+                        ("output", out), ("tensor parallel", args.tp), ("bytes written", f"{written:,}"),
+                        ("seconds", f"{time.perf_counter() - start:.1f}")])
+    return 0
+
+
+# --- logprobs / parity --------------------------------------------------------------------------
+def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
+    try:
+        tokens = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"token file {path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"token file {path} is not JSON ({error})") from None
+    if not isinstance(tokens, list) or not all(isinstance(seq, list) and len(seq) >= 2 for seq in tokens):
+        raise ValueError(f"token file {path} must hold a JSON list of token-id lists, each of length >= 2")
+    for number, seq in enumerate(tokens):
+        bad = [t for t in seq if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token file {path}: sequence {number} has ids outside [0, {vocab_size}): {bad[:5]}")
+    return tokens
+
+
+def cmd_logprobs(args) -> int:
+    out = Path(args.out)
+    provider = build_provider(args.hf_dir)
+    provider.check_parallel_layout(args.tp)
+    sequences = _read_token_lists(args.tokens, provider.vocab_size)
+    dtype = DTYPES[args.dtype]
+    results = []
+    for seq in sequences:  # one sequence at a time: lengths may differ and no padding is involved
+        ids = torch.tensor([seq])
+        if args.backend == "hf":
+            logprobs, _ = hf_outputs(args.hf_dir, ids, dtype)
+        else:
+            logprobs, _ = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, with_logits=False)
+        results.append(logprobs[0].tolist())
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps({"logprobs": results}) + "\n")
+    os.replace(partial, out)
+    _summary("logprobs", [("backend", args.backend), ("sequences", len(results)), ("output", out)])
+    return 0
+
+
+def cmd_parity(args) -> int:
+    provider = build_provider(args.hf_dir)
+    provider.check_parallel_layout(args.tp)
+    dtype = DTYPES[args.dtype]
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
+    megatron_logprobs, megatron_logits = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention)
+    hf_logprobs, hf_logits = hf_outputs(args.hf_dir, ids, dtype)
+    tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+    report = {
+        "architecture": provider.name, "tp": args.tp, "dtype": args.dtype, "attention": args.attention,
+        "batch": args.batch, "seq_len": args.seq_len,
+        "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
+        "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
+        "tolerance": tolerance,
+    }
+    report["passed"] = report["max_abs_diff_logprobs"] <= tolerance
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _summary("parity: Megatron vs Hugging Face", [(key, value) for key, value in report.items()])
+    if not report["passed"]:
+        raise ParityFailed(f"max |logprob diff| {report['max_abs_diff_logprobs']:.3e} exceeds tolerance {tolerance:.1e}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    for name in list_architectures():
+        print(name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelzoo", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(sub, tp=True, dtype=True):
+        if tp:
+            sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks to run)")
+        if dtype:
+            sub.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+
+    sub = commands.add_parser("import", help="HF checkpoint -> Megatron torch_dist checkpoint")
+    sub.add_argument("hf_dir")
+    sub.add_argument("megatron_dir")
+    common(sub)
+    sub.set_defaults(func=cmd_import)
+
+    sub = commands.add_parser("export", help="Megatron torch_dist checkpoint -> HF checkpoint")
+    sub.add_argument("megatron_dir")
+    sub.add_argument("hf_dir")
+    sub.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
+    common(sub, dtype=False)
+    sub.set_defaults(func=cmd_export)
+
+    for name, func, text in (("logprobs", cmd_logprobs, "token log-probabilities to JSON"),
+                             ("parity", cmd_parity, "Megatron vs HF on random tokens")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("hf_dir")
+        sub.add_argument("--attention", choices=("exact", "fast"), default="exact")
+        common(sub)
+        sub.set_defaults(func=func)
+    commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
+    commands.choices["logprobs"].add_argument("--out", required=True)
+    commands.choices["logprobs"].add_argument("--backend", choices=("megatron", "hf"), default="megatron")
+    parity = commands.choices["parity"]
+    parity.add_argument("--batch", type=int, default=2)
+    parity.add_argument("--seq-len", type=int, default=64)
+    parity.add_argument("--seed", type=int, default=0)
+    parity.add_argument("--tolerance", type=float, default=None,
+                        help="max |logprob diff| allowed (default 1e-4 in float32, 2e-2 in bfloat16)")
+    parity.add_argument("--json", action="store_true")
+
+    commands.add_parser("list", help="supported architectures").set_defaults(func=cmd_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as error:
+        print(f"modelzoo: error: {error}", file=sys.stderr)
+        return 2
+    except runtime.RankFailed as error:
+        if error.error_type in {kind.__name__ for kind in USER_ERRORS}:
+            print(f"modelzoo: error: {error.message}", file=sys.stderr)
+            return 2
+        raise
+    except ParityFailed as error:
+        print(f"modelzoo: parity failed: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Log-probabilities of the same tokens from the Megatron model and from the Hugging Face model.
+
+Used by `modelzoo parity`, `modelzoo logprobs` and the tests. The HF side is the architecture's
+oracle class (transformers' own where it exists), loaded without remote code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modelzoo import runtime
+from modelzoo.registry import build_provider
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(t[i+1] | t[:i+1]) from full-vocabulary logits [batch, seq, vocab] -> [batch, seq - 1]."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
+    provider = build_provider(hf_dir)
+    return provider.hf_model_class().from_pretrained(hf_dir, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def hf_outputs(hf_dir: str | Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """(token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model, full-sequence forward."""
+    model = load_hf_model(hf_dir, dtype).to(runtime.device())
+    logits = model(input_ids.to(runtime.device()), use_cache=False).logits.float().cpu()
+    return logprobs_from_logits(logits, input_ids), logits
+
+
+def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, dtype: torch.dtype,
+                   attention: str, with_logits: bool):
+    with runtime.parallel(tp=tp):
+        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        model.eval()
+        ids = input_ids.to(runtime.device())
+        with torch.no_grad():
+            logprobs = provider.token_logprobs(model, ids).float().cpu()
+            logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
+        return logprobs, logits
+
+
+def megatron_outputs(hf_dir: str | Path, input_ids: torch.Tensor, tp: int = 1, dtype: torch.dtype = torch.float32,
+                     attention: str = "exact", with_logits: bool = True):
+    """(token logprobs, logits or None) of the Megatron model at TP `tp`, as rank 0 sees them."""
+    return runtime.run(_megatron_rank, tp, str(hf_dir), input_ids, tp, dtype, attention, with_logits)[0]

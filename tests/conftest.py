@@ -1,0 +1,35 @@
+"""Shared test helpers: paths of the shipped tiny checkpoints and the deterministic generator."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tiny_checkpoints"
+
+
+def load_make_tiny():
+    spec = importlib.util.spec_from_file_location("make_tiny", TINY / "make_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def make_tiny():
+    return load_make_tiny()
+
+
+@pytest.fixture(scope="session")
+def llama_tiny() -> Path:
+    return TINY / "llama-tiny"
+
+
+def write_llama_variant(folder: Path, make_tiny, **changes) -> Path:
+    """A llama-tiny with some config fields changed, written by the shipped generator."""
+    config = {**make_tiny.LLAMA_TINY, **changes}
+    make_tiny.write_checkpoint(folder, config, make_tiny.llama_shapes(config))
+    return folder

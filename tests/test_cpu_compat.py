@@ -1,0 +1,108 @@
+"""Each CPU patch of Megatron-Core (modelzoo/cpu_compat.py) does its job, and only without CUDA."""
+
+import pytest
+import torch
+
+from modelzoo import cpu_compat, runtime
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    with runtime.parallel(tp=1):
+        yield
+
+
+def test_rotary_embedding_stays_on_cpu_and_matches_the_formula():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=100, use_cpu_initialization=True)
+    emb = rope(5)
+    inv_freq = 1.0 / 100 ** (torch.arange(0, 8, 2).float() / 8)
+    angles = torch.arange(5).float()[:, None] * inv_freq[None]
+    assert emb.device.type == "cpu" and emb.shape == (5, 1, 1, 8)
+    assert torch.equal(emb[:, 0, 0], torch.cat([angles, angles], dim=-1))
+
+
+def test_default_causal_mask_on_cpu():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    for function in (utils.get_default_causal_mask, fused_softmax.get_default_causal_mask):
+        mask = function(4)
+        assert mask.device.type == "cpu"
+        assert torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).triu(1))
+
+
+def test_global_memory_buffer_on_cpu_and_reused():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    buffer = GlobalMemoryBuffer()
+    first = buffer.get_tensor((2, 3), torch.float32, "x")
+    second = buffer.get_tensor((3, 2), torch.float32, "x")
+    assert first.device.type == "cpu" and second.shape == (3, 2)
+    assert first.data_ptr() == second.data_ptr()
+
+
+def test_rng_tracker_forks_a_separate_reproducible_cpu_stream():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(7)
+    torch.manual_seed(0)
+    with get_cuda_rng_tracker().fork():
+        forked = torch.rand(3)
+    after_fork = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_fork, torch.rand(3)), "the fork must leave the default stream untouched"
+    model_parallel_cuda_manual_seed(7)
+    with get_cuda_rng_tracker().fork():
+        assert torch.equal(forked, torch.rand(3)), "the same seed must give the same forked stream"
+
+
+def test_recompute_replays_dropout_exactly():
+    # activation recompute saves and restores the (CPU) generator through the patched state functions
+    from megatron.core import tensor_parallel
+
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def layer(t):
+        return torch.nn.functional.dropout(t, 0.5, training=True) * 3
+
+    torch.manual_seed(1)
+    out = tensor_parallel.checkpoint(layer, False, x)
+    out.sum().backward()
+    # the dropout mask used in backward equals the forward one: grad is 3 exactly where output kept x
+    kept = out != 0
+    assert torch.equal(x.grad != 0, kept)
+
+
+def test_alltoall_dispatcher_builds_without_a_cuda_stream():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=2,
+                               moe_router_topk=2, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True)
+    dispatcher = MoEAlltoAllTokenDispatcher(num_local_experts=2, local_expert_indices=[0, 1], config=config,
+                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert dispatcher is not None
+
+
+def test_dist_checkpointing_round_trip_on_cpu(tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    tensor = torch.randn(4, 3)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", tensor)}, str(tmp_path))
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, str(tmp_path))
+    assert torch.equal(loaded["w"], tensor)
+
+
+def test_apply_is_a_no_op_with_cuda(monkeypatch):
+    monkeypatch.setattr(cpu_compat, "_applied", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    called = []
+    monkeypatch.setattr(cpu_compat, "_patch_rng", lambda: called.append("rng"))
+    cpu_compat.apply()
+    assert called == [] and cpu_compat._applied is False

@@ -1,0 +1,19 @@
+"""The shipped tiny checkpoints are exactly what the generator script makes."""
+
+from conftest import TINY
+
+
+def test_regenerating_gives_identical_bytes(tmp_path, make_tiny):
+    make_tiny.main(tmp_path)
+    for name in make_tiny.CHECKPOINTS:
+        for file in ("config.json", "model.safetensors"):
+            assert (tmp_path / name / file).read_bytes() == (TINY / name / file).read_bytes(), f"{name}/{file}"
+
+
+def test_llama_tiny_is_small_gqa_untied(llama_tiny):
+    import json
+
+    config = json.loads((llama_tiny / "config.json").read_text())
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    assert config["tie_word_embeddings"] is False
+    assert (llama_tiny / "model.safetensors").stat().st_size < 2 * 2**20

@@ -1,0 +1,83 @@
+"""Transforms and name tables: exact inverses, the documented Megatron layouts, clear coverage errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conversion.mapping import MappingError, MappingTable, Rule
+from conversion.transforms import Direct, FusedGateUp, FusedQKV, PadVocab, Stack
+
+
+@settings(max_examples=30, deadline=None)
+@given(kv_heads=st.integers(1, 4), per_group=st.integers(1, 4), head_dim=st.integers(1, 8), hidden=st.integers(1, 8))
+def test_fused_qkv_round_trip_and_layout(kv_heads, per_group, head_dim, hidden):
+    heads = kv_heads * per_group
+    q = torch.randn(heads * head_dim, hidden)
+    k = torch.randn(kv_heads * head_dim, hidden)
+    v = torch.randn(kv_heads * head_dim, hidden)
+    transform = FusedQKV(heads, kv_heads, head_dim)
+    fused = transform.to_megatron([q, k, v], None, tp=1)
+    # independent statement of Megatron's layout: per group, its query heads, then k, then v
+    rows = []
+    for g in range(kv_heads):
+        rows += [q[(g * per_group + h) * head_dim:(g * per_group + h + 1) * head_dim] for h in range(per_group)]
+        rows += [k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]]
+    assert torch.equal(fused, torch.cat(rows))
+    assert all(torch.equal(a, b) for a, b in zip(transform.to_hf(fused, tp=1), [q, k, v]))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_gate_up_puts_each_ranks_halves_together(tp):
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    full = FusedGateUp().to_megatron([gate, up], None, tp)
+    for rank, shard in enumerate(full.chunk(tp)):
+        rank_gate, rank_up = shard.chunk(2)
+        assert torch.equal(rank_gate, gate.chunk(tp)[rank]) and torch.equal(rank_up, up.chunk(tp)[rank])
+    back = FusedGateUp().to_hf(full, tp)
+    assert torch.equal(back[0], gate) and torch.equal(back[1], up)
+
+
+def test_pad_vocab_zero_rows_and_exact_inverse():
+    embedding = torch.randn(10, 4, dtype=torch.bfloat16)
+    padded = PadVocab(10).to_megatron([embedding], torch.Size([16, 4]), tp=2)
+    assert padded.shape == (16, 4) and padded.dtype == torch.bfloat16
+    assert torch.equal(padded[10:], torch.zeros(6, 4, dtype=torch.bfloat16))
+    assert torch.equal(PadVocab(10).to_hf(padded, tp=2)[0], embedding)
+
+
+def test_stack_round_trip():
+    experts = [torch.randn(3, 2) for _ in range(4)]
+    stacked = Stack().to_megatron(experts, None, tp=1)
+    assert stacked.shape == (4, 3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(Stack().to_hf(stacked, tp=1), experts))
+
+
+TABLE = MappingTable([
+    Rule("decoder.layers.*.norm.weight", "model.layers.*.norm.weight"),
+    Rule("decoder.layers.*.mlp.experts.*.weight", "model.layers.*.experts.*.w1.weight", Direct()),
+    Rule("output.weight", "lm_head.weight"),
+])
+
+
+def test_wildcards_carry_indices_both_ways():
+    rule, indices = TABLE.for_megatron("decoder.layers.12.mlp.experts.3.weight")
+    assert rule.hf_names(indices) == ["model.layers.12.experts.3.w1.weight"]
+    rule, indices = TABLE.for_hf("model.layers.7.norm.weight")
+    assert rule.megatron_name(indices) == "decoder.layers.7.norm.weight"
+    assert TABLE.for_megatron("decoder.layers.x.norm.weight") is None
+
+
+def test_coverage_names_missing_and_unexpected():
+    megatron = ["decoder.layers.0.norm.weight", "output.weight"]
+    TABLE.check_coverage(megatron, ["model.layers.0.norm.weight", "lm_head.weight"], where="ckpt")
+    with pytest.raises(MappingError, match=r"ckpt: missing tensors lm_head.weight; unexpected tensors extra.bias"):
+        TABLE.check_coverage(megatron, ["model.layers.0.norm.weight", "extra.bias"], where="ckpt")
+    with pytest.raises(MappingError, match="no mapping rule for Megatron tensors: decoder.final.weight"):
+        TABLE.check_coverage(["decoder.final.weight"], [], where="ckpt")
+
+
+def test_a_checkpoint_tensor_claimed_twice_is_refused():
+    table = MappingTable([Rule("a.weight", "x.weight"), Rule("b.weight", "x.weight")])
+    with pytest.raises(MappingError, match="x.weight is claimed by both a.weight and b.weight"):
+        table.check_coverage(["a.weight", "b.weight"], ["x.weight"], where="ckpt")
