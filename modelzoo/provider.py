@@ -120,7 +120,10 @@ class ModelProvider:
 
     def provide(self) -> torch.nn.Module:
         """The Megatron module for the current parallel state, on the current device."""
-        return self.build_model(self.transformer_config()).to(runtime.device())
+        model = self.build_model(self.transformer_config())
+        # Megatron builds some modules (norms) in fp32 and leaves the cast to Megatron-LM's
+        # Float16Module; we cast here so that every floating tensor has the dtype asked for.
+        return model.to(device=runtime.device(), dtype=self.params_dtype)
 
     def load_hf_weights(self, model: torch.nn.Module, hf_dir: str | Path | None = None, progress: bool = True) -> None:
         folder = Path(hf_dir) if hf_dir is not None else self.hf_dir
@@ -171,12 +174,16 @@ class ModelProvider:
                                                             targets.transpose(0, 1).contiguous())
         return -loss.transpose(0, 1)
 
+    @torch.no_grad()
     def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        import torch.distributed as dist
+        from megatron.core import parallel_state
 
-        logits = gather_from_tensor_model_parallel_region(self.forward(model, input_ids))
-        return logits[..., : self.vocab_size]
+        local = self.forward(model, input_ids).contiguous()
+        shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+        dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
+        return torch.cat(shards, dim=-1)[..., : self.vocab_size]
 
 
 def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
