@@ -53,3 +53,4 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
 def _import_builtin_architectures() -> None:
     # each architecture package registers itself on import
     import modelzoo.llama  # noqa: F401
+    import modelzoo.loopcoder.provider  # noqa: F401

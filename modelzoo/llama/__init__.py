@@ -28,7 +28,7 @@ def llama_transformer_fields(hf: LlamaConfig) -> dict:
         bias_activation_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
-        attention_dropout=hf.attention_dropout,
+        attention_dropout=getattr(hf, "attention_dropout", 0.0),
     )
 
 

@@ -1,0 +1,196 @@
+"""IQuest LoopCoder on Megatron-Core: one physical decoder run twice with shared weights.
+
+    h = embed(x)
+    loop 1:  for each layer l:  h, (K1[l], V1[l]) = layer(h)                       # plain causal attention
+    loop 2:  for each layer l:  h = layer(h, K1[l], V1[l])
+             attention = g * Attn(q2, K1[l], V1[l]) + (1 - g) * SlidingAttn(q2, k2, v2; window W)
+             g[t, head] = sigmoid(q2[t, head] . w_l[head] + b_l[head])           # post-RoPE loop-2 query
+    logits = output_layer(final_norm(h))
+
+The layers are built from Megatron-Core's parallel pieces (ColumnParallelLinear / RowParallelLinear,
+MLP, the local spec's norm, RotaryEmbedding) with the same module names as GPTModel, so every
+Llama tensor maps the same way; each layer adds a `loop_gate` (weight [heads, head_dim], bias
+[heads]) sharded by heads with the attention, so computing it needs no communication.
+
+Loop-1 keys and values are handed from loop 1 to loop 2 through the forward call (a local list),
+never stored on a module: they are freed with the autograd graph after backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
+from megatron.core.utils import divide
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from modelzoo.attention import attention
+
+LoopKV = tuple[Tensor, Tensor]  # post-RoPE loop-1 keys and values of one layer, [batch, kv_heads, seq, head_dim]
+
+
+class LoopGate(torch.nn.Module):
+    """The frozen per-head mixing gate of loop 2; this rank's heads only (partition_dim 0 = heads)."""
+
+    def __init__(self, local_heads: int, head_dim: int, dtype: torch.dtype, trainable: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(local_heads, head_dim, dtype=dtype), requires_grad=trainable)
+        self.bias = torch.nn.Parameter(torch.zeros(local_heads, dtype=dtype), requires_grad=trainable)
+        for param in (self.weight, self.bias):
+            tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # split by heads in torch_dist too, so a checkpoint reshards across TP sizes
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(keep_vars=True), prefix, {"weight": 0, "bias": 0}, sharded_offsets)
+
+    def forward(self, query: Tensor) -> Tensor:
+        """query [batch, heads, seq, head_dim] -> gate [batch, heads, seq, 1]."""
+        logits = torch.einsum("bhsd,hd->bhs", query, self.weight) + self.bias[:, None]
+        return torch.sigmoid(logits)[..., None]
+
+
+class LoopCoderAttention(MegatronModule):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+        super().__init__(config)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.head_dim = config.kv_channels
+        self.local_heads = divide(config.num_attention_heads, tp)
+        self.local_groups = divide(config.num_query_groups, tp)
+        self.loop_window_size = loop_window_size
+        self.attention_impl = attention_impl
+        self.recompute_core_attention = (config.recompute_granularity == "selective"
+                                         and "core_attn" in (config.recompute_modules or ["core_attn"]))
+        qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, qkv_size, config=config, init_method=config.init_method, bias=False,
+            gather_output=False)
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True)
+        self.loop_gate = LoopGate(self.local_heads, self.head_dim, config.params_dtype, train_gate)
+
+    def _project(self, hidden: Tensor, rotary: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """hidden [seq, batch, H] -> post-RoPE q [b, heads, s, d], k, v [b, kv_heads, s, d] (this rank's)."""
+        qkv, _ = self.linear_qkv(hidden)
+        seq, batch = qkv.shape[:2]
+        per_group = self.local_heads // self.local_groups
+        qkv = qkv.view(seq, batch, self.local_groups, (per_group + 2) * self.head_dim)
+        q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(seq, batch, self.local_heads, self.head_dim)
+        q = apply_rotary_pos_emb(q, rotary, config=self.config)
+        k = apply_rotary_pos_emb(k, rotary, config=self.config)
+        return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+        scale = self.head_dim**-0.5
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            return checkpoint(attention, q, k, v, scale, window, self.attention_impl, use_reentrant=False)
+        return attention(q, k, v, scale, window, self.attention_impl)
+
+    def forward(self, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
+        q, k, v = self._project(hidden, rotary)
+        if loop1_kv is None:  # loop 1: a plain causal layer
+            context = self._core(q, k, v, window=None)
+        else:  # loop 2: global attention over loop-1 K/V, local over its own, mixed per head
+            global_context = self._core(q, *loop1_kv, window=None)
+            local_context = self._core(q, k, v, window=self.loop_window_size)
+            gate = self.loop_gate(q)
+            context = gate * global_context + (1 - gate) * local_context
+        seq, batch = hidden.shape[:2]
+        context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim)
+        output, _ = self.linear_proj(context)
+        return output, (k, v)
+
+
+class LoopCoderLayer(MegatronModule):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+        super().__init__(config)
+        norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=True)
+        self.input_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
+                                            eps=config.layernorm_epsilon)
+        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate)
+        self.pre_mlp_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
+                                              eps=config.layernorm_epsilon)
+        self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
+                                             linear_fc2=tensor_parallel.RowParallelLinear))
+
+    def forward(self, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
+        attention_out, kv = self.self_attention(self.input_layernorm(hidden), rotary, loop1_kv)
+        hidden = hidden + attention_out
+        mlp_out, _ = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + mlp_out, kv
+
+
+class LoopCoderDecoder(MegatronModule):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+        super().__init__(config)
+        self.layers = torch.nn.ModuleList(
+            LoopCoderLayer(config, loop_window_size, attention_impl, train_gate) for _ in range(config.num_layers))
+        norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=False)
+        self.final_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
+                                            eps=config.layernorm_epsilon)
+        self.recompute_layers = config.recompute_granularity == "full"
+
+    def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None):
+        if self.recompute_layers and torch.is_grad_enabled():
+            # non-reentrant checkpoint: loop-1 K/V are outputs of the recomputed region and loop-2
+            # inputs to it, and gradients reach them through both paths
+            return checkpoint(layer, hidden, rotary, loop1_kv, use_reentrant=False)
+        return layer(hidden, rotary, loop1_kv)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # Megatron's default treats a plain ModuleList as replicated; each layer knows its own TP split
+        state = {}
+        for index, layer in enumerate(self.layers):
+            state.update(layer.sharded_state_dict(f"{prefix}layers.{index}.", sharded_offsets, metadata))
+        state.update(sharded_state_dict_default(self.final_layernorm, f"{prefix}final_layernorm.", sharded_offsets,
+                                                metadata, tp_group=parallel_state.get_tensor_model_parallel_group()))
+        return state
+
+    def forward(self, hidden: Tensor, rotary: Tensor, loop_num: int) -> Tensor:
+        loop1_kv: list[LoopKV] = []
+        for layer in self.layers:
+            hidden, kv = self._run(layer, hidden, rotary, None)
+            loop1_kv.append(kv)
+        if loop_num == 2:
+            for layer, kv in zip(self.layers, loop1_kv):
+                hidden, _ = self._run(layer, hidden, rotary, kv)
+        return self.final_layernorm(hidden)
+
+
+class LoopCoderModel(MegatronModule):
+    """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
+
+    def __init__(self, config, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
+                 loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False):
+        super().__init__(config)
+        self.loop_num = loop_num
+        self.embedding = LanguageModelEmbedding(config, padded_vocab_size, max_sequence_length,
+                                                position_embedding_type="none")
+        self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rope_theta,
+                                              use_cpu_initialization=config.use_cpu_initialization)
+        self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
+            gather_output=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [batch, seq] -> logits of this rank's vocabulary shard [batch, seq, vocab / tp]."""
+        seq = input_ids.shape[1]
+        positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+        hidden = self.embedding(input_ids, positions)  # [seq, batch, hidden]
+        rotary = self.rotary_pos_emb(seq)
+        hidden = self.decoder(hidden, rotary, self.loop_num)
+        logits, _ = self.output_layer(hidden)
+        return logits.transpose(0, 1).contiguous()

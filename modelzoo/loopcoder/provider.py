@@ -1,0 +1,68 @@
+"""`build_provider` entry for IQuest LoopCoder (`model_type` "iquestloopcoder")."""
+
+from __future__ import annotations
+
+from modelzoo.llama import check_llama_supported, llama_transformer_fields
+from modelzoo.loopcoder.bridge import loopcoder_mapping
+from modelzoo.loopcoder.config import IQuestLoopCoderConfig
+from modelzoo.provider import ModelProvider
+from modelzoo.registry import register
+
+
+@register
+class LoopCoderProvider(ModelProvider):
+    """Overrides beyond the generic ones: `train_gate=True` makes the loop gates trainable (frozen by default)."""
+
+    name = "loopcoder"
+    hf_model_types = ("iquestloopcoder",)
+    hf_architectures = ("IQuestLoopCoderForCausalLM",)
+
+    def __init__(self, hf_config, hf_dir=None, train_gate: bool = False, **overrides):
+        self.train_gate = train_gate
+        super().__init__(hf_config, hf_dir, **overrides)
+
+    @classmethod
+    def hf_config_class(cls):
+        return IQuestLoopCoderConfig
+
+    def hf_model_class(self):
+        from modelzoo.loopcoder.hf_model import IQuestLoopCoderForCausalLM
+
+        return IQuestLoopCoderForCausalLM
+
+    def check_supported(self) -> None:
+        check_llama_supported(self.hf_config, "iquestloopcoder config")
+        overrides = self.config_overrides
+        if overrides.get("sequence_parallel"):
+            raise ValueError("LoopCoder: sequence_parallel is not supported (the local layers use torch RMSNorm, "
+                             "which Megatron-Core refuses under sequence parallelism)")
+        if overrides.get("pipeline_model_parallel_size", 1) > 1:
+            raise ValueError(PIPELINE_REFUSAL)
+        if overrides.get("recompute_granularity") == "full" and overrides.get("recompute_method") == "block":
+            raise ValueError("LoopCoder: full recompute checkpoints every layer call in both loops; "
+                             "recompute_method='block' is not supported")
+
+    def transformer_config_fields(self) -> dict:
+        return llama_transformer_fields(self.hf_config)
+
+    def build_model(self, config):
+        from modelzoo.loopcoder.model import LoopCoderModel
+
+        if config.pipeline_model_parallel_size > 1:
+            raise ValueError(PIPELINE_REFUSAL)
+        hf = self.hf_config
+        return LoopCoderModel(config, self.padded_vocab_size(), hf.max_position_embeddings,
+                              hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,
+                              attention_impl=self.attention, train_gate=self.train_gate)
+
+    def mapping(self):
+        hf = self.hf_config
+        return loopcoder_mapping(hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
+
+    def forward(self, model, input_ids):
+        return model(input_ids)
+
+
+PIPELINE_REFUSAL = ("LoopCoder: pipeline parallelism is not supported: loop 2 needs every layer's loop-1 keys and "
+                    "values, so each stage would run twice and send K/V of all its layers between loops "
+                    "(see docs/loopcoder.md)")
