@@ -1,9 +1,10 @@
 """GPU only (run on the accelerator, not in CI): the fast attention path agrees with the exact one.
 
-bf16 on both paths, one 4096-token sequence, a LoopCoder with release-like attention shapes
-(head_dim 128, GQA 4:1, loop_window_size 64). Tolerance 2e-2 on token log-probabilities: bf16 keeps
-8 bits of mantissa, and the two paths round at different places (flash/flex kernels accumulate in
-fp32 and never materialise the probabilities; the exact path rounds scores and probabilities to bf16).
+One 4096-token sequence, a LoopCoder with release-like attention shapes (head_dim 128, GQA 4:1,
+loop_window_size 64), random weights and non-zero gates.
+- fp32: the kernels themselves (SDPA / flex vs eager); 1e-4 as for the CPU parity tests.
+- bf16 on both paths: 2e-2, the issue's bound. bf16 keeps 8 bits of mantissa and the paths round at
+  different places (flash/flex accumulate in fp32 and never materialise the probabilities).
 """
 
 import pytest
@@ -22,21 +23,21 @@ CONFIG = {
 }
 
 
-def test_fast_path_matches_exact_path_bf16_4k():
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_fast_path_matches_exact_path_4k(dtype, tolerance):
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
-    with runtime.parallel(tp=1):
-        exact_provider = build_provider(CONFIG, params_dtype=torch.bfloat16, attention="exact")
+    with runtime.parallel(tp=1, seed=0):
+        exact_provider = build_provider(CONFIG, params_dtype=dtype, attention="exact")
         exact = exact_provider.provide()
-        # non-zero gates, so both attention branches matter
         for name, param in exact.named_parameters():
-            if "loop_gate" in name:
+            if "loop_gate" in name:  # non-zero gates, so both attention branches matter
                 torch.nn.init.normal_(param, std=0.5)
-        fast_provider = build_provider(CONFIG, params_dtype=torch.bfloat16, attention="fast")
+        fast_provider = build_provider(CONFIG, params_dtype=dtype, attention="fast")
         fast = fast_provider.provide()
         fast.load_state_dict(exact.state_dict())
         with torch.no_grad():
             exact_logprobs = exact_provider.token_logprobs(exact, ids)
             fast_logprobs = fast_provider.token_logprobs(fast, ids)
     difference = (exact_logprobs - fast_logprobs).abs().max().item()
-    print(f"loopcoder fast vs exact, bf16, 1 x 4096: max |logprob diff| = {difference:.3e}")
-    assert difference <= 2e-2
+    print(f"loopcoder fast vs exact, {dtype}, 1 x 4096: max |logprob diff| = {difference:.3e}")
+    assert difference <= tolerance
