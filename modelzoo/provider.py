@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from conversion import engine
@@ -153,7 +154,7 @@ class ModelProvider:
                 pass
             return 0
         with ShardedWriter(out_dir, max_shard_bytes) as writer:
-            for name, tensor in tensors:
+            for name, tensor in tqdm(tensors, desc="export", unit="tensor", leave=False):
                 writer.add(name, tensor)
             if source is None or not (source / "config.json").exists():
                 writer.write_json("config.json", self.hf_config.to_dict())
