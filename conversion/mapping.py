@@ -26,11 +26,13 @@ class MappingError(ValueError):
     """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A name pattern (`*` = an integer index) as a regex whose groups are the indices."""
     return re.compile("^" + r"(\d+)".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
-def _fill(pattern: str, indices: tuple[str, ...]) -> str:
+def fill_pattern(pattern: str, indices: tuple[str, ...]) -> str:
+    """The name a pattern stands for at the given wildcard indices."""
     parts = pattern.split("*")
     if len(parts) - 1 != len(indices):
         raise ValueError(f"pattern {pattern!r} has {len(parts) - 1} wildcards, got indices {indices}")
@@ -48,10 +50,10 @@ class Rule:
         return (self.hf,) if isinstance(self.hf, str) else self.hf
 
     def hf_names(self, indices: tuple[str, ...]) -> list[str]:
-        return [_fill(pattern, indices) for pattern in self.hf_patterns]
+        return [fill_pattern(pattern, indices) for pattern in self.hf_patterns]
 
     def megatron_name(self, indices: tuple[str, ...]) -> str:
-        return _fill(self.megatron, indices)
+        return fill_pattern(self.megatron, indices)
 
 
 class MappingTable:
@@ -60,11 +62,11 @@ class MappingTable:
 
     @cached_property
     def _megatron_regexes(self) -> list[tuple[re.Pattern[str], Rule]]:
-        return [(_compile(rule.megatron), rule) for rule in self.rules]
+        return [(compile_pattern(rule.megatron), rule) for rule in self.rules]
 
     @cached_property
     def _hf_regexes(self) -> list[tuple[re.Pattern[str], Rule]]:
-        return [(_compile(pattern), rule) for rule in self.rules for pattern in rule.hf_patterns]
+        return [(compile_pattern(pattern), rule) for rule in self.rules for pattern in rule.hf_patterns]
 
     def for_megatron(self, name: str) -> tuple[Rule, tuple[str, ...]] | None:
         """The rule claiming a Megatron tensor name and its wildcard indices (None if unclaimed)."""
