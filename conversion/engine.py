@@ -1,8 +1,8 @@
 """Move weights between a Hugging Face checkpoint and a (tensor-parallel) Megatron model.
 
-Architecture-agnostic: everything specific comes from a `MappingTable`. Tensor-parallel layout is
-read from Megatron's own parameter attributes (`tensor_model_parallel`, `partition_dim`), so a
-parameter is split or gathered the way the layer that owns it splits its math.
+Architecture-agnostic: everything specific comes from a `MappingTable`. The parallel layout is read
+from the parameters' own attributes (Megatron's `tensor_model_parallel`, `partition_dim`; our
+`expert_parallel`), so a parameter is split or gathered the way the layer that owns it splits its math.
 """
 
 from __future__ import annotations
@@ -26,42 +26,72 @@ def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _tp() -> tuple[int, int, object]:
-    from megatron.core import parallel_state
+class ShardLayout:
+    """How this rank's piece of a Megatron tensor sits in the full tensor.
 
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1, None
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
+    Tensor parallel: split along `partition_dim` when Megatron marks it `tensor_model_parallel`.
+    Expert parallel: a tensor marked `expert_parallel=True` (stacked per-expert weights) is also split
+    along dim 0 over the expert-model-parallel group, and its TP split uses the expert-TP group.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        from megatron.core import parallel_state as ps
+
+        self.tp_size, self.tp_rank, self.tp_group = 1, 0, None
+        self.ep_size, self.ep_rank, self.ep_group = 1, 0, None
+        if ps.model_parallel_is_initialized():
+            if getattr(tensor, "expert_parallel", False):
+                self.tp_size, self.tp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+                self.tp_group = ps.get_expert_tensor_parallel_group()
+                self.ep_size, self.ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+                self.ep_group = ps.get_expert_model_parallel_group()
+            else:
+                self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+                self.tp_group = ps.get_tensor_model_parallel_group()
+        sharded = self.tp_size > 1 and getattr(tensor, "tensor_model_parallel", False)
+        self.tp_dim = tensor.partition_dim if sharded else None
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        shape = list(tensor.shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] *= self.tp_size
+        shape[0] *= self.ep_size
+        return torch.Size(shape)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            full = full.chunk(self.ep_size, dim=0)[self.ep_rank]
+        if self.tp_dim is not None:
+            full = full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
+        return full
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Collective over this tensor's TP (then EP) group: every rank gets the full tensor."""
+        full = local.detach()
+        for dim, size, group in ((self.tp_dim, self.tp_size, self.tp_group), (0, self.ep_size, self.ep_group)):
+            if dim is None or size == 1:
+                continue
+            parts = [torch.empty_like(full) for _ in range(size)]
+            dist.all_gather(parts, full.contiguous(), group=group)
+            full = torch.cat(parts, dim=dim)
+        return full
 
 
-def _partition_dim(tensor: torch.Tensor, tp_size: int) -> int | None:
-    if tp_size > 1 and getattr(tensor, "tensor_model_parallel", False):
-        return tensor.partition_dim
-    return None
-
-
-def full_shape(tensor: torch.Tensor, tp_size: int) -> torch.Size:
-    shape = list(tensor.shape)
-    dim = _partition_dim(tensor, tp_size)
-    if dim is not None:
-        shape[dim] *= tp_size
-    return torch.Size(shape)
+def _rule_for(table: MappingTable, name: str):
+    found = table.for_megatron(name)
+    if found is None:
+        raise MappingError(f"no mapping rule for Megatron tensor {name}")
+    return found
 
 
 def expected_hf_shapes(model: torch.nn.Module, table: MappingTable) -> dict[str, tuple[int, ...]]:
     """The shape every checkpoint tensor must have, from the model (run on meta tensors: no memory)."""
-    _, tp_size, _ = _tp()
     shapes = {}
     for name, tensor in megatron_tensors(model).items():
-        rule, indices = table.for_megatron(name) or (None, None)
-        if rule is None:
-            raise MappingError(f"no mapping rule for Megatron tensor {name}")
-        meta = torch.empty(full_shape(tensor, tp_size), dtype=tensor.dtype, device="meta")
-        for hf_name, hf_tensor in zip(rule.hf_names(indices), rule.transform.to_hf(meta, tp_size)):
+        rule, indices = _rule_for(table, name)
+        layout = ShardLayout(tensor)
+        meta = torch.empty(layout.full_shape(tensor), dtype=tensor.dtype, device="meta")
+        for hf_name, hf_tensor in zip(rule.hf_names(indices), rule.transform.to_hf(meta, layout.tp_size)):
             shapes[hf_name] = tuple(hf_tensor.shape)
     return shapes
 
@@ -80,34 +110,31 @@ def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: Checkp
 def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader, progress: bool = True) -> None:
     """Copy a checkpoint into `model`, this rank's shard of each tensor, one tensor at a time."""
     check_checkpoint(model, table, reader)
-    tp_rank, tp_size, _ = _tp()
     tensors = megatron_tensors(model)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     for name, target in tqdm(tensors.items(), desc="load", unit="tensor", disable=not show, leave=False):
         rule, indices = table.for_megatron(name)
+        layout = ShardLayout(target)
         sources = [reader.get(hf_name) for hf_name in rule.hf_names(indices)]
-        full = rule.transform.to_megatron(sources, full_shape(target, tp_size), tp_size)
-        dim = _partition_dim(target, tp_size)
-        shard = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+        full = rule.transform.to_megatron(sources, layout.full_shape(target), layout.tp_size)
         with torch.no_grad():
-            target.copy_(shard)
+            target.copy_(layout.shard(full))
 
 
 def export_hf_weights(model: torch.nn.Module, table: MappingTable) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP on every rank.
+    """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
-    Streams: at most one Megatron tensor is gathered at a time. Every TP rank must iterate (the
-    gathers are collective); all ranks receive the same tensors.
+    Streams: at most one Megatron tensor is gathered at a time. Every rank must iterate (the gathers
+    are collective); all ranks receive the same tensors.
     """
-    _, tp_size, tp_group = _tp()
     for name, tensor in megatron_tensors(model).items():
-        rule, indices = table.for_megatron(name) or (None, None)
-        if rule is None:
-            raise MappingError(f"no mapping rule for Megatron tensor {name}")
-        full = tensor.detach()
-        dim = _partition_dim(tensor, tp_size)
-        if dim is not None:
-            shards = [torch.empty_like(full) for _ in range(tp_size)]
-            dist.all_gather(shards, full.contiguous(), group=tp_group)
-            full = torch.cat(shards, dim=dim)
-        yield from zip(rule.hf_names(indices), rule.transform.to_hf(full, tp_size))
+        rule, indices = _rule_for(table, name)
+        layout = ShardLayout(tensor)
+        yield from zip(rule.hf_names(indices), rule.transform.to_hf(layout.gather(tensor), layout.tp_size))
+
+
+def full_shape(tensor: torch.Tensor, tp_size: int) -> torch.Size:
+    shape = list(tensor.shape)
+    if tp_size > 1 and getattr(tensor, "tensor_model_parallel", False):
+        shape[tensor.partition_dim] *= tp_size
+    return torch.Size(shape)

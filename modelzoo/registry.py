@@ -51,6 +51,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
 
 
 def _import_builtin_architectures() -> None:
-    # each architecture package registers itself on import
+    # each architecture package registers its provider on import
+    import modelzoo.deepseek_v4  # noqa: F401
     import modelzoo.llama  # noqa: F401
     import modelzoo.loopcoder.provider  # noqa: F401

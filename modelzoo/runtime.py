@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import io
 import os
 import queue
 import socket
@@ -129,8 +130,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run `fn(rank, *args)` in `world_size` fresh processes joined in one process group.
 
-    Returns each rank's return value (which must be picklable across processes: tensors, numbers,
-    dicts). An exception on any rank is raised here with that rank's traceback.
+    Returns each rank's return value: tensors, numbers, strings and containers of them (it travels
+    through `torch.save` and comes back through `torch.load(weights_only=True)`). An exception on any
+    rank is raised here as `RankFailed`, with that rank's traceback.
     """
     port = free_port()
     context = mp.get_context("spawn")
@@ -153,7 +155,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
                 continue
             if not ok:  # the other ranks may be waiting on a collective with it: stop them all
                 raise RankFailed(rank, *value)
-            returned[rank] = value
+            returned[rank] = torch.load(io.BytesIO(value), weights_only=True)
     finally:
         for process in processes:
             if len(returned) < world_size:
@@ -173,7 +175,11 @@ def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None
         dist.init_process_group(backend=_backend(), rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=10))
         value = fn(rank, *args)
-        results.put((rank, True, value))
+        # as bytes: a tensor put on a queue travels as a file descriptor of this process, which is
+        # gone if the process exits before the parent reads it
+        serialized = io.BytesIO()
+        torch.save(value, serialized)
+        results.put((rank, True, serialized.getvalue()))
     except BaseException as error:  # noqa: BLE001 - the error travels to the parent
         results.put((rank, False, (type(error).__name__, str(error), traceback.format_exc())))
     finally:

@@ -10,6 +10,7 @@ with real spread, so a mapping that swaps or drops a tensor changes the logits.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import zlib
@@ -99,15 +100,25 @@ def write_checkpoint(folder: Path, config: dict, shapes: dict[str, tuple[int, ..
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _deepseek_v4_tiny_module():
+    # loaded by path: importing the modelzoo package would pull in transformers and Megatron-Core
+    path = HERE.parent / "modelzoo" / "deepseek_v4" / "tiny.py"
+    spec = importlib.util.spec_from_file_location("deepseek_v4_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 CHECKPOINTS = {
-    "llama-tiny": (LLAMA_TINY, llama_shapes),
-    "loopcoder-tiny": (LOOPCODER_TINY, loopcoder_shapes),
+    "llama-tiny": lambda folder: write_checkpoint(folder, LLAMA_TINY, llama_shapes(LLAMA_TINY)),
+    "loopcoder-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_TINY, loopcoder_shapes(LOOPCODER_TINY)),
+    "deepseek-v4-tiny": lambda folder: _deepseek_v4_tiny_module().write_deepseek_v4_tiny(folder),
 }
 
 
 def main(out_dir: Path = HERE) -> None:
-    for name, (config, shapes) in CHECKPOINTS.items():
-        write_checkpoint(out_dir / name, config, shapes(config))
+    for name, write in CHECKPOINTS.items():
+        write(out_dir / name)
         print(f"wrote {out_dir / name}")
 
 

@@ -1,0 +1,74 @@
+"""DeepSeek-V4 (HF `DeepseekV4ForCausalLM`): hybrid sliding / compressed / sparse attention, mHC, hash + routed MoE, MTP.
+
+    config.py   HF config -> DeepseekV4Args + TransformerConfig fields
+    model/      attention, compressor, indexer, hyper_connection, moe, mtp, model
+    bridge.py   the HF <-> Megatron name table
+    tiny.py     the deterministic tiny checkpoint
+"""
+
+from __future__ import annotations
+
+
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from modelzoo.deepseek_v4 import config as v4_config
+from modelzoo.deepseek_v4.bridge import deepseek_v4_mapping
+from modelzoo.provider import ModelProvider
+from modelzoo.registry import register
+
+
+@register
+class DeepseekV4Provider(ModelProvider):
+    """`attention`: "exact" (eager, the parity path) or "fast" (flex_attention; compiled on GPU).
+    `mtp_loss_scale`: weight of the MTP loss in `loss()` (0 = off); `build_mtp=False` drops the MTP layers."""
+
+    name = "deepseek_v4"
+    hf_model_types = ("deepseek_v4",)
+    hf_architectures = ("DeepseekV4ForCausalLM",)
+
+    def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
+                 mtp_loss_scale: float = 0.0, build_mtp: bool = True, **config_overrides):
+        self.mtp_loss_scale, self.build_mtp = mtp_loss_scale, build_mtp
+        super().__init__(hf_config, hf_dir=hf_dir, attention=attention, params_dtype=params_dtype, **config_overrides)
+
+    @classmethod
+    def hf_config_class(cls):
+        return DeepseekV4Config
+
+    def hf_model_class(self):
+        return DeepseekV4ForCausalLM
+
+    def check_supported(self) -> None:
+        v4_config.check_supported(self.hf_config)
+        if self.mtp_loss_scale and not (self.build_mtp and self.hf_config.num_nextn_predict_layers):
+            raise ValueError("DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers (num_nextn_predict_layers > 0, build_mtp=True)")
+
+    @property
+    def args(self) -> v4_config.DeepseekV4Args:
+        return v4_config.DeepseekV4Args.from_hf(self.hf_config)
+
+    def transformer_config_fields(self) -> dict:
+        return v4_config.transformer_config_fields(self.hf_config)
+
+    def build_model(self, config):
+        from modelzoo.deepseek_v4.model.model import DeepseekV4Model
+
+        v4_config.check_parallel(self.hf_config, config.tensor_model_parallel_size, config.expert_model_parallel_size)
+        return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp)
+
+    def mapping(self):
+        return deepseek_v4_mapping(self.hf_config.vocab_size, self.hf_config.n_routed_experts)
+
+    def forward(self, model, input_ids):
+        return model(input_ids)
+
+    def loss(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """Mean next-token CE over the batch, plus mtp_loss_scale x the MTP loss when switched on."""
+        from modelzoo.deepseek_v4.model.mtp import mtp_loss, shifted_cross_entropy
+
+        if not self.mtp_loss_scale:
+            return shifted_cross_entropy(model(input_ids), input_ids, 1, self.vocab_size).mean()
+        logits, mtp_logits = model(input_ids, return_mtp=True)
+        main = shifted_cross_entropy(logits, input_ids, 1, self.vocab_size).mean()
+        return main + self.mtp_loss_scale * mtp_loss(mtp_logits, input_ids, self.vocab_size)

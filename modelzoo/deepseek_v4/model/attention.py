@@ -1,0 +1,209 @@
+"""DeepSeek-V4 attention (transformers' DeepseekV4Attention), tensor-parallel by heads.
+
+    qr = q_norm(wq_a(x))                          wq_a replicated (qr also feeds the indexer)
+    q  = rms(wq_b(qr) per head); rope(q)          wq_b column-parallel: this rank's heads
+    kv = rope(kv_norm(wkv(x)))                    wkv replicated: one K=V head shared by all heads
+    kv = [kv ; compressor entries]                CSA / HCA layers (compressor replicated)
+    o  = softmax([q.kv^T * D^-0.5 + mask, sink]) . kv      sinks sharded by heads
+    o  = rope^-1(o)                               undo the rope V carried on its rope slice
+    x  = wo_b(wo_a_grouped(o))                    wo_a sharded by output group, wo_b row-parallel
+
+`attention="exact"` is the eager math of transformers (the parity path): it materialises the
+[B, heads, S, S + compressed] scores. `attention="fast"` runs flex_attention (compiled on GPU)
+with a block mask (sliding window + visible compressed entries) and folds the sink in afterwards
+from the returned log-sum-exp: softmax([s, sink]) . v = (softmax(s) . v) * sigmoid(lse - sink).
+On CPU it runs flex_attention's unfused reference (forward only: no CPU backward in torch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from modelzoo.attention import window_mask
+from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
+from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
+from modelzoo.deepseek_v4.model.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryTable,
+    apply_rotary,
+    fp32_param,
+    init_sharded,
+    mark_tensor_parallel,
+    unweighted_rms_norm,
+)
+
+ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
+
+
+class GroupedOutputProjection(nn.Module):
+    """wo_a: block-diagonal projection, each of this rank's output groups (H*D/G -> o_lora_rank).
+
+    The weight rows are [group 0's o_lora_rank rows; group 1's; ...], exactly transformers' layout,
+    so sharding rows by TP hands each rank whole groups (G/tp of them) = the groups of its heads.
+    """
+
+    def __init__(self, config, groups: int, in_per_group: int, rank: int, tp: int):
+        super().__init__()
+        self.local_groups = groups // tp
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.local_groups * rank, in_per_group, dtype=config.params_dtype)), dim=0)
+        init_sharded(self.weight, config.init_method, "model-parallel-rng")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, G_local, H*D/G] -> [B, S, G_local, o_lora_rank] (transformers' bmm, op for op)."""
+        input_shape = x.shape[:-2]
+        hidden = x.shape[-1]
+        w = self.weight.view(self.local_groups, -1, hidden).transpose(1, 2)
+        x = x.reshape(-1, self.local_groups, hidden).transpose(0, 1)
+        y = torch.bmm(x, w).transpose(0, 1)
+        return y.reshape(*input_shape, self.local_groups, -1)
+
+
+def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+    """q [B, h, S, D], kv [B, 1, T, D] (K = V), mask [B|1, 1, S, T] additive -> [B, S, h, D].
+
+    transformers' eager_attention_forward with a per-head sink logit that takes probability mass
+    but contributes no value.
+    """
+    batch, heads, seq_len, _ = q.shape
+    kv = kv.expand(batch, heads, *kv.shape[2:]).reshape(batch, heads, *kv.shape[2:])   # repeat_kv
+    scores = torch.matmul(q, kv.transpose(2, 3)) * scaling
+    scores = scores + mask
+    sink = sinks.reshape(1, -1, 1, 1).expand(batch, -1, seq_len, -1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
+    return torch.matmul(probs, kv).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scaling: float,
+                        compressed_visible: torch.Tensor | None = None, causal_ratio: int | None = None) -> torch.Tensor:
+    """Same result as `eager_sink_attention`, without materialising the scores.
+
+    q [B, h, S, D] at positions 0..S-1; kv [B, 1, S + C, D]: S sliding-window keys, then C compressed
+    entries, visible per `compressed_visible` (bool [B, S, C], the CSA top-k) or, for HCA, to every
+    query whose window is complete (entry c < (t + 1) // causal_ratio). Returns [B, S, h, D].
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, _, seq_len, _ = q.shape
+    total = kv.shape[2]
+    mask_batch = None
+    if total == seq_len:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+    elif compressed_visible is None:
+        ratio = causal_ratio
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+            return sliding | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
+    else:
+        visible, mask_batch = compressed_visible, batch
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+            entry = (kv_idx - seq_len).clamp(min=0)
+            return sliding | ((kv_idx >= seq_len) & visible[b, q_idx, entry])
+    block_mask = create_block_mask(mask_mod, mask_batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    # the compiled kernel's default 128-row tiles find no valid configuration below 128 queries (H200, torch 2.11)
+    options = {"BLOCK_M": 32, "BLOCK_N": 32} if q.is_cuda and seq_len < 128 else None
+    try:  # torch >= 2.9 returns the log-sum-exp through AuxRequest; return_lse is deprecated
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = attend(q, kv, kv, block_mask=block_mask, scale=scaling, enable_gqa=True,
+                          return_aux=AuxRequest(lse=True), kernel_options=options)
+        lse = aux.lse
+    except ImportError:
+        out, lse = attend(q, kv, kv, block_mask=block_mask, scale=scaling, enable_gqa=True, return_lse=True,
+                          kernel_options=options)
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))         # probability mass not on the sink
+    return (out * keep.unsqueeze(-1).to(out.dtype)).transpose(1, 2).contiguous()
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config, args: DeepseekV4Args, layer_type: str, attention: str = "exact"):
+        super().__init__()
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"DeepSeek-V4: attention={attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        self.attention = attention
+        tp = config.tensor_model_parallel_size
+        heads, head_dim = args.num_heads, args.head_dim
+        if heads % tp or args.o_groups % tp:
+            raise ValueError(f"DeepSeek-V4: tensor parallel size {tp} must divide num_attention_heads ({heads}) "
+                             f"and o_groups ({args.o_groups})")
+        self.layer_type, self.head_dim, self.local_heads = layer_type, head_dim, heads // tp
+        self.sliding_window, self.eps, self.scaling = args.sliding_window, args.rms_norm_eps, head_dim**-0.5
+
+        self.linear_q_down_proj = ReplicatedLinear(args.hidden_size, args.q_lora_rank, config)
+        self.q_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.linear_q_up_proj = ColumnParallelLinear(
+            args.q_lora_rank, heads * head_dim, config=config, init_method=config.init_method, bias=False,
+            gather_output=False)
+        self.linear_kv = ReplicatedLinear(args.hidden_size, head_dim, config)
+        self.kv_layernorm = RMSNorm(head_dim, args.rms_norm_eps)
+        self.linear_o_down_proj = GroupedOutputProjection(
+            config, args.o_groups, heads * head_dim // args.o_groups, args.o_lora_rank, tp)
+        self.linear_proj = RowParallelLinear(
+            args.o_groups * args.o_lora_rank, args.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
+        self.sinks = mark_tensor_parallel(fp32_param(heads // tp, fill=0.0), dim=0)
+        self.rotary = RotaryTable(*args.rope_table(args.rope_kind(layer_type)))
+        self.compressor = None if layer_type == SLIDING else COMPRESSORS[layer_type](config, args)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """hidden_states [B, S, hidden] (replicated over TP) -> [B, S, hidden] (all-reduced)."""
+        batch, seq_len, _ = hidden_states.shape
+        cos, sin = self.rotary(position_ids, hidden_states.dtype)
+
+        q_residual = self.q_layernorm(self.linear_q_down_proj(hidden_states))
+        q, _ = self.linear_q_up_proj(q_residual)
+        q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        q = apply_rotary(unweighted_rms_norm(q, self.eps), cos, sin)
+
+        kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, seq_len, 1, self.head_dim).transpose(1, 2)
+        kv = apply_rotary(kv, cos, sin)
+
+        block_bias = None
+        if self.compressor is not None:
+            compressed_kv, block_bias = self.compressor(hidden_states, q_residual, position_ids)
+            kv = torch.cat([kv, compressed_kv], dim=2)
+        # K = V is computed on every rank but read only by this rank's heads: sum its gradients
+        kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
+
+        if self.attention == "fast":
+            visible, ratio = None, None
+            if kv.shape[2] > seq_len:
+                if self.compressor.overlap:  # CSA: the indexer's per-query picks
+                    visible = block_bias[:, 0] == 0
+                else:                        # HCA: every complete window (the causal rule, no tensor)
+                    ratio = self.compressor.ratio if seq_len > 1 else 1
+            out = flex_sink_attention(q, kv, self.sliding_window, self.sinks, self.scaling, visible, ratio)
+        else:
+            allowed = window_mask(seq_len, self.sliding_window, hidden_states.device)
+            mask = torch.zeros(seq_len, seq_len, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None].expand(batch, 1, -1, -1)
+            if block_bias is not None:
+                mask = torch.cat([mask, block_bias.to(mask.dtype)], dim=-1)
+            elif kv.shape[2] > seq_len:
+                mask = torch.nn.functional.pad(mask, (0, kv.shape[2] - seq_len), value=0.0)
+            out = eager_sink_attention(q, kv, mask, self.sinks, self.scaling)       # [B, S, h, D]
+        out = apply_rotary(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = self.linear_o_down_proj(out.reshape(batch, seq_len, self.linear_o_down_proj.local_groups, -1))
+        output, _ = self.linear_proj(grouped.flatten(2))
+        return output

@@ -1,0 +1,83 @@
+"""Manifold-constrained hyper-connections (mHC) and the final hyper head (transformers' DeepseekV4HyperConnection / HyperHead).
+
+The residual stream is `hc_mult` parallel copies [B, S, N, hidden]. Around each block a one-layer
+map of the flattened, RMS-normalised streams gives
+    pre  = sigmoid(.) + eps            [B, S, N]     collapse weights -> the block's input
+    post = 2 sigmoid(.)                [B, S, N]     where the block's output is placed
+    comb = sinkhorn(softmax(.) + eps)  [B, S, N, N]  doubly-stochastic residual mixer
+and the new streams are `post * block(collapsed) + comb^T @ streams`.
+
+All of it is replicated across tensor-parallel ranks (the mapping is [(2+N)N, N*hidden]: small),
+in fp32 like transformers keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelzoo.deepseek_v4.model.layers import fp32_param, unweighted_rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 init_std: float = 0.02):
+        super().__init__()
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+        width = (2 + hc_mult) * hc_mult
+        self.fn = fp32_param(width, hc_mult * hidden_size)
+        self.base = fp32_param(width, fill=0.0)
+        self.scale = fp32_param(3, fill=1.0)
+        with torch.no_grad():
+            self.fn.normal_(0.0, init_std)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, S, N, hidden] -> (post [B, S, N], comb [B, S, N, N], collapsed [B, S, hidden])."""
+        batch, seq_len = streams.shape[:2]
+        hc = self.hc_mult
+        flat = unweighted_rms_norm(streams.view(batch, seq_len, -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        pre_scale, post_scale, comb_scale = self.scale.unbind(0)
+        comb_w = comb_w.view(*comb_w.shape[:-1], hc, hc)
+        comb_b = comb_b.view(hc, hc)
+
+        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+        comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_residual(post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor,
+                streams: torch.Tensor) -> torch.Tensor:
+    """New streams: post[n] * block_output + sum_j comb[j, n] * streams[j] (comb used transposed)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """Collapse the N streams before the final norm: sigmoid weights, no Sinkhorn."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float, init_std: float = 0.02):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.fn = fp32_param(hc_mult, hc_mult * hidden_size)
+        self.base = fp32_param(hc_mult, fill=0.0)
+        self.scale = fp32_param(1, fill=1.0)
+        with torch.no_grad():
+            self.fn.normal_(0.0, init_std)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

@@ -1,0 +1,67 @@
+"""Lightning Indexer of the CSA layers (transformers' DeepseekV4Indexer + DeepseekV4IndexerScorer).
+
+It compresses the sequence with its own small compressor (index_head_dim wide, same overlapping
+windows as the CSA compressor), scores each query against every compressed key with
+`sum_h w[t,h] * relu(q[t,h] . k[s]) * d^-0.5 * n_heads^-0.5`, masks entries whose window is not
+complete yet, and keeps the top `index_topk`; picks that point past the causal limit become -1.
+
+Tensor parallelism: *replicated*, not sharded by heads. Its output is a set of integer indices
+that every TP rank must agree on bit for bit (each rank masks its own heads with them); a head
+split would need an all-reduce of the [B, S, T] score matrix before the top-k, whose summation
+order differs from the unsplit sum, so near-ties could pick different entries than the
+reference. No gradient flows through a top-k of indices, so replication costs no gradient
+communication either. (Its cost, index_n_heads x index_head_dim x q_lora_rank per token, is about
+a quarter of wq_b's in the released configs.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
+from modelzoo.deepseek_v4.model.compressor import pool_windows
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+
+
+class Indexer(nn.Module):
+    def __init__(self, config, args: DeepseekV4Args):
+        super().__init__()
+        self.ratio = args.compress_rates[CSA]
+        self.num_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.softmax_scale = self.head_dim**-0.5
+        self.weights_scaling = self.num_heads**-0.5
+        self.linear_kv = ReplicatedLinear(args.hidden_size, 2 * self.head_dim, config)
+        self.linear_gate = ReplicatedLinear(args.hidden_size, 2 * self.head_dim, config)
+        self.position_bias = fp32_param(self.ratio, 2 * self.head_dim, fill=0.0)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.linear_q_up_proj = ReplicatedLinear(args.q_lora_rank, self.num_heads * self.head_dim, config)
+        self.linear_weights = ReplicatedLinear(args.hidden_size, self.num_heads, config)
+        self.rotary = RotaryTable(*args.rope_table("compress"))
+
+    def scores(self, hidden_states: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor):
+        """Index scores [B, S, T] (before the causal mask)."""
+        batch, seq_len, _ = hidden_states.shape
+        compressed = pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
+                                  self.ratio, self.head_dim, True, self.kv_norm, self.rotary)   # [B, T, d]
+        cos, sin = self.rotary(position_ids, hidden_states.dtype)
+        q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin).transpose(1, 2)                                            # [B, S, h, d]
+        scores = torch.matmul(q.float(), compressed.transpose(-1, -2).float().unsqueeze(1))     # [B, S, h, T]
+        scores = F.relu(scores) * self.softmax_scale
+        weights = self.linear_weights(hidden_states).float() * self.weights_scaling             # [B, S, h]
+        return (scores * weights.unsqueeze(-1)).sum(dim=2)
+
+    @torch.no_grad()
+    def forward(self, hidden_states, q_residual, position_ids) -> torch.Tensor:
+        index_scores = self.scores(hidden_states, q_residual, position_ids)
+        compressed_len = index_scores.shape[-1]
+        top_k = min(self.topk, compressed_len)
+        if compressed_len == 0:
+            return index_scores.topk(top_k, dim=-1).indices
+        threshold = (position_ids + 1) // self.ratio                                              # [B|1, S]
+        entry = torch.arange(compressed_len, device=index_scores.device)
+        index_scores = index_scores.masked_fill(entry.view(1, 1, -1) >= threshold.unsqueeze(-1), float("-inf"))
+        indices = index_scores.topk(top_k, dim=-1).indices
+        return torch.where(indices >= threshold.unsqueeze(-1), torch.full_like(indices, -1), indices)

@@ -1,0 +1,112 @@
+"""Small building blocks shared by the DeepSeek-V4 modules: norms, RoPE, replicated linears, sharded params.
+
+Every formula follows transformers' `modeling_deepseek_v4.py` op for op (same order, same dtype
+casts), because the fp32 parity tests compare against it at 1e-5.
+
+Parameters that transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`:
+norm weights, hyper-connection mappings, attention sinks, compressor position biases, the router's
+correction bias) are fp32 here too (`fp32=True`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
+    tensor = torch.empty(*shape, dtype=torch.float32)
+    if fill is not None:
+        tensor.fill_(fill)
+    return nn.Parameter(tensor)
+
+
+def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
+    """Tag `param` as this rank's shard along `dim` of the tensor-parallel group (Megatron's attributes)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+    return param
+
+
+def init_sharded(param: torch.Tensor, init_method, tracker: str | None = None) -> None:
+    """Initialise a sharded tensor under Megatron's per-rank RNG stream (different values per shard)."""
+    from megatron.core import tensor_parallel
+
+    with torch.no_grad():
+        if tracker is None:
+            init_method(param)
+        else:
+            with tensor_parallel.get_cuda_rng_tracker().fork(tracker):
+                init_method(param)
+
+
+class RMSNorm(nn.Module):
+    """transformers' DeepseekV4RMSNorm: fp32 statistics, fp32 weight, one cast back at the end."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = fp32_param(size, fill=1.0)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class ReplicatedLinear(nn.Module):
+    """A bias-free linear whose full weight lives on every tensor-parallel rank.
+
+    Its inputs are replicated, so its output is too; a caller that feeds the output into
+    head-sharded math must wrap it in `copy_to_tensor_model_parallel_region` so the backward pass
+    sums the per-rank gradients (each rank only sees the gradient of its own heads).
+    """
+
+    def __init__(self, input_size: int, output_size: int, config, fp32: bool = False):
+        super().__init__()
+        dtype = torch.float32 if fp32 else config.params_dtype
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        with torch.no_grad():
+            config.init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin of one V4 rope kind ("main" or "compress") at given positions (transformers' rotary)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """V4's interleaved RoPE on the *trailing* rope slice of each head: `[nope | rope]`."""
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated = ((rope.float() * cos) + (_rotate_half(rope).float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)

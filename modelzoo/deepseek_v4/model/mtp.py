@@ -1,0 +1,86 @@
+"""Multi-token prediction (MTP) of DeepSeek-V4: `num_nextn_predict_layers` extra blocks (transformers does not build them).
+
+Formulation (DeepSeek-V3 paper §2.2, V4 reference inference `MTPBlock`), depth k = 1..D:
+    e      = enorm(embed(t[i + k]))                       shared embedding
+    h      = hnorm(streams_{k-1})                         streams_0 = the main model's final HC streams
+    x      = e_proj(e) (broadcast over the hc streams) + h_proj(h)
+    streams_k = block_k(x)                                a full V4 decoder layer (sliding attention, MoE)
+    logits_k  = output_layer(norm_k(hc_head_k(streams_k)))    shared output layer; predicts t[i + k + 1]
+Training loss: main CE + mtp_loss_scale / D * sum_k mean_i CE(logits_k[i], t[i + k + 1]).
+The last k positions of depth k have no input token / target: their inputs are token 0 and they
+are left out of the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from torch import nn
+
+from modelzoo.deepseek_v4.config import DeepseekV4Args
+from modelzoo.deepseek_v4.model.hyper_connection import HyperHead
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
+
+
+def shift_left(input_ids: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
+    """t[i + k] at position i; the last k positions get `fill`."""
+    shifted = torch.full_like(input_ids, fill)
+    if k < input_ids.shape[1]:
+        shifted[:, : input_ids.shape[1] - k] = input_ids[:, k:]
+    return shifted
+
+
+class DeepseekV4MTPLayer(nn.Module):
+    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
+        super().__init__()
+        from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer
+
+        hidden = args.hidden_size
+        self.enorm = RMSNorm(hidden, args.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, args.rms_norm_eps)
+        self.e_proj = ReplicatedLinear(hidden, hidden, config)
+        self.h_proj = ReplicatedLinear(hidden, hidden, config)
+        self.block = DeepseekV4DecoderLayer(config, args, args.mtp_layer_type, args.mtp_mlp_type, attention)
+        self.hc_head = HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps, config.init_method_std)
+        self.final_layernorm = RMSNorm(hidden, args.rms_norm_eps)
+
+    def forward(self, streams, embeddings, position_ids, input_ids):
+        x = self.e_proj(self.enorm(embeddings)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        return self.block(x, position_ids, input_ids)
+
+
+class DeepseekV4MTP(nn.Module):
+    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
+        super().__init__()
+        self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(args.num_mtp_layers))
+
+    def forward(self, model, streams, input_ids, position_ids) -> list[torch.Tensor]:
+        all_logits = []
+        for k, layer in enumerate(self.layers, start=1):
+            shifted = shift_left(input_ids, k)
+            streams = layer(streams, model.embed(shifted), position_ids, shifted)
+            all_logits.append(model.logits(streams, layer.hc_head, layer.final_layernorm))
+        return all_logits
+
+
+def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, shift: int, vocab_size: int) -> torch.Tensor:
+    """Per-token CE [B, S - shift] of vocab-parallel `logits[:, i]` against `input_ids[:, i + shift]`."""
+    from megatron.core import parallel_state
+
+    valid = input_ids.shape[1] - shift
+    shard = logits[:, :valid].float()
+    local = shard.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if start + local > vocab_size:  # Megatron's padded vocabulary rows never get probability
+        shard = shard.masked_fill(torch.arange(start, start + local, device=shard.device) >= vocab_size, float("-inf"))
+    targets = input_ids[:, shift:]
+    ce = tensor_parallel.vocab_parallel_cross_entropy(shard.transpose(0, 1).contiguous(),
+                                                      targets.transpose(0, 1).contiguous())
+    return ce.transpose(0, 1)
+
+
+def mtp_loss(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean over depths k of the mean CE of depth k against t[i + k + 1] on its valid positions."""
+    losses = [shifted_cross_entropy(logits, input_ids, k + 1, vocab_size).mean()
+              for k, logits in enumerate(mtp_logits, start=1) if input_ids.shape[1] > k + 1]
+    return torch.stack(losses).mean() if losses else mtp_logits[0].new_zeros(())

@@ -1,0 +1,112 @@
+"""Shared helpers of the DeepSeek-V4 tests (a plain module, not a conftest, so it cannot shadow tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.masking_utils import create_sliding_window_causal_mask
+
+from modelzoo.deepseek_v4 import DeepseekV4Provider
+from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+
+VOCAB = DEEPSEEK_V4_TINY["vocab_size"]
+BATCH, SEQ = 2, 64
+
+
+def write_tiny(folder: Path, **changes) -> Path:
+    write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, **changes})
+    return folder
+
+
+def provider_for(folder: Path, **overrides) -> DeepseekV4Provider:
+    config = DeepseekV4Config.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+    return DeepseekV4Provider(config, hf_dir=folder, **overrides)
+
+
+def hf_model(folder: Path) -> DeepseekV4ForCausalLM:
+    return DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def random_tokens(batch: int = BATCH, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_token_logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids, use_cache=False).logits.to(torch.float64 if model.dtype == torch.float64 else torch.float32)
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def hf_layer_inputs(model, x: torch.Tensor):
+    """What DeepseekV4Model.forward hands its attention layers: position ids, {main, compress} cos/sin, mask."""
+    position_ids = torch.arange(x.shape[1]).unsqueeze(0)
+    rotary = model.model.rotary_emb
+    embeddings = {kind: rotary(x, position_ids=position_ids, layer_type=kind) for kind in ("main", "compress")}
+    mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                             position_ids=position_ids)
+    return position_ids, embeddings, mask
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.double() - b.double()).abs().max().item()
+
+
+BUFFERS = ("ffn.gate.tid2eid", "ffn.gate.bias")  # checkpoint tensors that are buffers, not parameters
+
+
+def hf_logprobs_and_grads(folder: Path, input_ids: torch.Tensor, scratch: Path):
+    """transformers' token log-probs and the gradients of -mean(log-probs), by checkpoint name.
+
+    save_pretrained of the model with every parameter replaced by its gradient names the gradients
+    exactly as the checkpoint names the weights (experts split per expert, native leaf names).
+    """
+    from safetensors.torch import load_file
+
+    model = hf_model(folder)
+    logprobs = hf_token_logprobs(model, input_ids)
+    (-logprobs.mean()).backward()
+    for param in model.parameters():
+        param.data = param.grad if param.grad is not None else torch.zeros_like(param)
+    model.save_pretrained(scratch)
+    grads = {name: g for name, g in load_file(scratch / "model.safetensors").items() if not name.endswith(BUFFERS)}
+    return logprobs.detach(), grads
+
+
+def megatron_grads_as_hf(provider, model) -> dict[str, torch.Tensor]:
+    """Replace every parameter by its gradient and export: gradients by checkpoint name (collective)."""
+    for param in model.parameters():
+        param.data = param.grad if param.grad is not None else torch.zeros_like(param)
+    return {name: g for name, g in provider.export_hf_weights(model) if not name.endswith(BUFFERS)}
+
+
+def relative_grad_errors(ours: dict, reference: dict) -> dict[str, float]:
+    """Per tensor max|ours - ref| / max|ref|; tensors without a gradient path must be exactly zero."""
+    errors = {}
+    for name, ref in reference.items():
+        scale = ref.abs().max().item()
+        if scale == 0:  # no gradient path in transformers (the indexer: a top-k of indices)
+            assert ".indexer." in name and ours[name].abs().max().item() == 0, name
+            continue
+        errors[name] = max_diff(ours[name], ref) / scale
+    return errors
+
+
+def worst_relative_grad_error(ours: dict, reference: dict) -> tuple[float, str]:
+    errors = relative_grad_errors(ours, reference)
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+def hf_float64_grads(folder: Path, input_ids: torch.Tensor, scratch: Path) -> dict[str, torch.Tensor]:
+    """Gradients of transformers' model run in float64 (eager experts loop): the 'true' gradient."""
+    from safetensors.torch import load_file
+
+    model = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float64, experts_implementation="eager").eval()
+    (-hf_token_logprobs(model, input_ids).mean()).backward()
+    for param in model.parameters():
+        param.data = param.grad if param.grad is not None else torch.zeros_like(param)
+    model.save_pretrained(scratch)
+    return {name: g for name, g in load_file(scratch / "model.safetensors").items() if not name.endswith(BUFFERS)}
