@@ -1,6 +1,6 @@
 """The `modelzoo` command: import, export, logprobs, parity, list.
 
-`--tp N` runs N ranks: N gloo processes on a CPU machine (N GPUs with nccl on a GPU machine).
+`--tp N --ep M` runs N x M ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
 """
 
@@ -52,13 +52,13 @@ def _refuse_existing(path: Path) -> None:
 
 
 # --- import / export ----------------------------------------------------------------------------
-def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, dtype_name: str) -> int:
-    with runtime.parallel(tp=tp):
+def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str) -> int:
+    with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
         model = provider.provide()
         provider.load_hf_weights(model)
         side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
-        metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp}
+        metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep}
         megatron_ckpt.save(model, out_dir, metadata, side_files)
         return sum(t.numel() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
 
@@ -67,20 +67,20 @@ def cmd_import(args) -> int:
     out = Path(args.megatron_dir)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir)  # model type and layout checked before any process starts
-    provider.check_parallel_layout(args.tp)
+    provider.check_parallel_layout(args.tp, args.ep)
     start = time.perf_counter()
-    local_elements = runtime.run(_import_rank, args.tp, args.hf_dir, str(out), args.tp, args.dtype)
+    local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
-                        ("tensor parallel", args.tp), ("dtype", args.dtype),
+                        ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
                         ("seconds", f"{time.perf_counter() - start:.1f}")])
     return 0
 
 
-def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, max_shard_bytes: int) -> int:
+def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int) -> int:
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
-    with runtime.parallel(tp=tp):
+    with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
         model = provider.provide()
         megatron_ckpt.load(model, megatron_dir)
@@ -92,9 +92,12 @@ def cmd_export(args) -> int:
     _refuse_existing(out)
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
     start = time.perf_counter()
-    written = runtime.run(_export_rank, args.tp, args.megatron_dir, str(out), args.tp, args.max_shard_bytes)[0]
+    build_provider(Path(args.megatron_dir) / megatron_ckpt.HF_SUBDIR).check_parallel_layout(args.tp, args.ep)
+    written = runtime.run(_export_rank, args.tp * args.ep, args.megatron_dir, str(out), args.tp, args.ep,
+                          args.max_shard_bytes)[0]
     _summary("export", [("architecture", metadata["architecture"]), ("source", args.megatron_dir),
-                        ("output", out), ("tensor parallel", args.tp), ("bytes written", f"{written:,}"),
+                        ("output", out), ("tensor / expert parallel", f"{args.tp} / {args.ep}"),
+                        ("bytes written", f"{written:,}"),
                         ("seconds", f"{time.perf_counter() - start:.1f}")])
     return 0
 
@@ -119,7 +122,7 @@ def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
 def cmd_logprobs(args) -> int:
     out = Path(args.out)
     provider = build_provider(args.hf_dir)
-    provider.check_parallel_layout(args.tp)
+    provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     dtype = DTYPES[args.dtype]
     results = []
@@ -128,7 +131,8 @@ def cmd_logprobs(args) -> int:
         if args.backend == "hf":
             logprobs, _ = hf_outputs(args.hf_dir, ids, dtype)
         else:
-            logprobs, _ = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, with_logits=False)
+            logprobs, _ = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, with_logits=False,
+                                           ep=args.ep)
         results.append(logprobs[0].tolist())
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps({"logprobs": results}) + "\n")
@@ -139,15 +143,15 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir)
-    provider.check_parallel_layout(args.tp)
+    provider.check_parallel_layout(args.tp, args.ep)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
-    megatron_logprobs, megatron_logits = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention)
+    megatron_logprobs, megatron_logits = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, ep=args.ep)
     hf_logprobs, hf_logits = hf_outputs(args.hf_dir, ids, dtype)
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "dtype": args.dtype, "attention": args.attention,
+        "architecture": provider.name, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
@@ -175,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sub, tp=True, dtype=True):
         if tp:
-            sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks to run)")
+            sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+            sub.add_argument("--ep", type=int, default=1, help="expert-parallel size (models with experts)")
         if dtype:
             sub.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 

@@ -35,9 +35,9 @@ def hf_outputs(hf_dir: str | Path, input_ids: torch.Tensor, dtype: torch.dtype =
     return logprobs_from_logits(logits, input_ids), logits
 
 
-def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, dtype: torch.dtype,
+def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, ep: int, dtype: torch.dtype,
                    attention: str, with_logits: bool):
-    with runtime.parallel(tp=tp):
+    with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
@@ -50,6 +50,9 @@ def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, dty
 
 
 def megatron_outputs(hf_dir: str | Path, input_ids: torch.Tensor, tp: int = 1, dtype: torch.dtype = torch.float32,
-                     attention: str = "exact", with_logits: bool = True):
-    """(token logprobs, logits or None) of the Megatron model at TP `tp`, as rank 0 sees them."""
-    return runtime.run(_megatron_rank, tp, str(hf_dir), input_ids, tp, dtype, attention, with_logits)[0]
+                     attention: str = "exact", with_logits: bool = True, ep: int = 1):
+    """(token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees them.
+
+    Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
+    """
+    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), input_ids, tp, ep, dtype, attention, with_logits)[0]

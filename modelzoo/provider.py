@@ -44,6 +44,7 @@ class ModelProvider:
     name: ClassVar[str]                     # the registry name, e.g. "llama"
     hf_model_types: ClassVar[tuple[str, ...]]
     hf_architectures: ClassVar[tuple[str, ...]]
+    has_experts: ClassVar[bool] = False     # whether expert parallelism means anything for it
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -105,11 +106,11 @@ class ModelProvider:
         )
         fields.update(self.transformer_config_fields())
         fields.update(self.config_overrides)
-        self.check_parallel_layout(fields["tensor_model_parallel_size"])
+        self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"])
         return TransformerConfig(**fields)
 
-    def check_parallel_layout(self, tp: int) -> None:
-        """Refuse a tensor-parallel size that does not split the heads evenly (before any work starts)."""
+    def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
+        """Refuse a layout that does not split this model evenly (before any work starts)."""
         fields = self.transformer_config_fields()
         heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
@@ -118,6 +119,8 @@ class ModelProvider:
                 f"tensor parallel size {tp} must divide the attention heads ({heads}) and the key/value "
                 f"heads ({groups}) of this {self.name} model"
             )
+        if ep != 1 and not self.has_experts:
+            raise ValueError(f"expert parallel size {ep}: this {self.name} model has no experts to split")
 
     def provide(self) -> torch.nn.Module:
         """The Megatron module for the current parallel state, on the current device."""

@@ -87,6 +87,7 @@ BAD_INPUTS = {
     "unknown model_type": (dict(edit_config=lambda c: c.update(model_type="gpt9", architectures=["Gpt9"])), [],
                            r"unknown model_type 'gpt9'"),
     "tp does not divide heads": ({}, ["--tp", "3"], r"tensor parallel size 3 must divide the attention heads \(4\)"),
+    "ep on a dense model": ({}, ["--ep", "2"], r"expert parallel size 2: this llama model has no experts to split"),
 }
 
 

@@ -26,6 +26,7 @@ class DeepseekV4Provider(ModelProvider):
     name = "deepseek_v4"
     hf_model_types = ("deepseek_v4",)
     hf_architectures = ("DeepseekV4ForCausalLM",)
+    has_experts = True
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, **config_overrides):
@@ -48,13 +49,16 @@ class DeepseekV4Provider(ModelProvider):
     def args(self) -> v4_config.DeepseekV4Args:
         return v4_config.DeepseekV4Args.from_hf(self.hf_config)
 
+    def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
+        super().check_parallel_layout(tp, ep)
+        v4_config.check_parallel(self.hf_config, tp, ep)
+
     def transformer_config_fields(self) -> dict:
         return v4_config.transformer_config_fields(self.hf_config)
 
     def build_model(self, config):
         from modelzoo.deepseek_v4.model.model import DeepseekV4Model
 
-        v4_config.check_parallel(self.hf_config, config.tensor_model_parallel_size, config.expert_model_parallel_size)
         return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp)
 
     def mapping(self):
