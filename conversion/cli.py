@@ -102,6 +102,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_export_adapter(args) -> int:
+    from modelzoo.lora import export_adapter
+
+    start = time.perf_counter()
+    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base)
+    _summary("export-adapter", [("architecture", result["architecture"]), ("source", args.checkpoint_dir),
+                                ("step", result["step"]), ("output", result["output"]),
+                                ("tensor parallel", args.tp), ("seconds", f"{time.perf_counter() - start:.1f}")])
+    return 0
+
+
 # --- logprobs / parity --------------------------------------------------------------------------
 def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
     try:
@@ -196,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
     common(sub, dtype=False)
     sub.set_defaults(func=cmd_export)
+
+    sub = commands.add_parser("export-adapter", help="LoRA training checkpoint -> HF PEFT adapter folder")
+    sub.add_argument("checkpoint_dir")
+    sub.add_argument("adapter_dir")
+    sub.add_argument("--base", default=None, help="base HF checkpoint (default: the one recorded in the checkpoint)")
+    sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    sub.set_defaults(func=cmd_export_adapter)
 
     for name, func, text in (("logprobs", cmd_logprobs, "token log-probabilities to JSON"),
                              ("parity", cmd_parity, "Megatron vs HF on random tokens")):

@@ -18,11 +18,15 @@ from conversion.safetensors_io import CheckpointReader
 
 
 def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> parameter or persistent buffer, as Megatron's state dict names them (no extra state)."""
+    """Name -> parameter or persistent buffer, as Megatron's state dict names them.
+
+    Leaves out Megatron's extra state and LoRA adapters (`is_lora_adapter`): this engine moves the
+    base weights, `modelzoo.lora` exports adapters.
+    """
     return {
         name: tensor
         for name, tensor in model.state_dict(keep_vars=True).items()
-        if not name.endswith("_extra_state")
+        if not name.endswith("_extra_state") and not getattr(tensor, "is_lora_adapter", False)
     }
 
 
@@ -132,9 +136,3 @@ def export_hf_weights(model: torch.nn.Module, table: MappingTable) -> Iterator[t
         layout = ShardLayout(tensor)
         yield from zip(rule.hf_names(indices), rule.transform.to_hf(layout.gather(tensor), layout.tp_size))
 
-
-def full_shape(tensor: torch.Tensor, tp_size: int) -> torch.Size:
-    shape = list(tensor.shape)
-    if tp_size > 1 and getattr(tensor, "tensor_model_parallel", False):
-        shape[tensor.partition_dim] *= tp_size
-    return torch.Size(shape)

@@ -1,0 +1,242 @@
+"""LoRA training checkpoints in torch_dist: adapters, optimizer state, step and RNG; the frozen base is not saved.
+
+    FOLDER/
+      lora.json   architecture, base checkpoint folder, params dtype, LoRA config, TP and world size, step
+      state/      megatron.core.dist_checkpointing: adapters and the optimizer's per-parameter tensors as
+                  ShardedTensors split like their parameters (they reshard across TP sizes); the step and the
+                  optimizer's scalars and hyper-parameters as common state; each rank's RNG states
+
+Resuming (`resume_training`) restores everything, so training continues bit for bit; it needs the world size the
+checkpoint was written at (RNG states are per rank). `load_adapter_checkpoint` restores the adapters alone, at any
+TP size. Optimizers: any torch optimizer whose per-parameter tensors have the parameter's shape (Adam, AdamW, SGD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder
+from modelzoo import runtime
+from modelzoo.lora.export import lora_config, save_adapter
+from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like
+
+METADATA_FILE = "lora.json"
+STATE_DIR = "state"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(value):
+    holder = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _adapter_state(model: torch.nn.Module) -> dict:
+    state = {}
+    for name, layer in lora_layers(model):
+        state.update(layer.lora.sharded_state_dict(f"{name}.lora."))
+    return state
+
+
+def _rng_state():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    states = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return ShardedObject("rng_state", states, (_world_size(),), (_rank(),), replica_id=0)
+
+
+def _set_rng_state(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _group_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
+    """Parameter names of each optimizer group, in the optimizer's order (the order of its state indices)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """Per-parameter tensors as ShardedTensors keyed by parameter name; scalars and hyper-parameters as common."""
+    torch_state = optimizer.state_dict()
+    params = dict(model.named_parameters())
+    group_names = _group_names(model, optimizer)
+    sharded, scalars, layout = {}, {}, {}
+    for index, name in enumerate(name for names in group_names for name in names):
+        for key, value in torch_state["state"].get(index, {}).items():
+            if torch.is_tensor(value) and value.shape == params[name].shape:
+                sharded.update(sharded_like(params[name], value, f"optimizer.{name}.{key}"))
+                layout.setdefault(name, []).append(key)
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in torch_state["param_groups"]]
+    return {"sharded": sharded, "scalars": scalars, "layout": layout, "groups": groups, "group_names": group_names}
+
+
+def _optimizer_template(model: torch.nn.Module, saved: dict) -> dict:
+    params = dict(model.named_parameters())
+    template = {}
+    for name, keys in saved["layout"].items():
+        for key in keys:
+            template.update(sharded_like(params[name], torch.empty_like(params[name]), f"optimizer.{name}.{key}"))
+    return {"sharded": template}
+
+
+def _torch_optimizer_state(model: torch.nn.Module, optimizer, saved: dict) -> dict:
+    """The loaded state in `optimizer.load_state_dict`'s format (state by index, groups with indices)."""
+    group_names = _group_names(model, optimizer)
+    if group_names != saved["group_names"]:
+        raise CheckpointError("the optimizer's parameter groups differ from the checkpoint's")
+    state, param_groups, index = {}, [], 0
+    for group, names in zip(saved["groups"], group_names):
+        param_groups.append({**group, "params": list(range(index, index + len(names)))})
+        for name in names:
+            tensors = {key: saved["sharded"][f"optimizer.{name}.{key}"] for key in saved["layout"].get(name, [])}
+            if tensors or name in saved["scalars"]:
+                state[index] = {**saved["scalars"].get(name, {}), **tensors}
+            index += 1
+    return {"state": state, "param_groups": param_groups}
+
+
+def save_training_checkpoint(model: torch.nn.Module, provider, folder: str | Path, optimizer=None,
+                             step: int = 0) -> None:
+    """Collective: write adapters, optimizer state, `step` and every rank's RNG states atomically."""
+    from megatron.core import dist_checkpointing
+
+    folder = Path(folder)
+    state = {"adapter": _adapter_state(model), "rng": _rng_state(), "step": step}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_state(model, optimizer)
+    metadata = {
+        "architecture": provider.name,
+        "base": str(provider.hf_dir) if provider.hf_dir is not None else None,
+        "params_dtype": str(provider.params_dtype).removeprefix("torch."),
+        "lora": dataclasses.asdict(lora_config(model)),
+        "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+        "world_size": _world_size(),
+        "step": step,
+        "optimizer": optimizer is not None,
+    }
+    staging, error = None, None
+    if _rank() == 0:
+        try:
+            staging = create_staging_folder(folder)
+        except CheckpointError as failure:
+            error = str(failure)
+    staging, error = _broadcast((staging, error))
+    if error:
+        raise CheckpointError(error)
+    try:
+        if _rank() == 0:
+            (staging / STATE_DIR).mkdir()
+        _barrier()
+        dist_checkpointing.save(state, str(staging / STATE_DIR))
+        _barrier()
+        if _rank() == 0:
+            (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+            publish_staging_folder(staging, folder)
+        _barrier()
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def read_checkpoint_metadata(folder: str | Path) -> dict:
+    path = Path(folder) / METADATA_FILE
+    if not path.exists() or not (Path(folder) / STATE_DIR).is_dir():
+        raise CheckpointError(f"{folder} is not a modelzoo LoRA checkpoint (no {METADATA_FILE} or {STATE_DIR}/)")
+    return json.loads(path.read_text())
+
+
+def _copy_adapters(model: torch.nn.Module, loaded: dict) -> None:
+    with torch.no_grad():
+        for name, param in adapter_parameters(model).items():
+            param.copy_(loaded[name])
+
+
+def load_adapter_checkpoint(model: torch.nn.Module, folder: str | Path) -> dict:
+    """Collective: fill the model's adapters from a checkpoint written at any TP size; returns its metadata."""
+    from megatron.core import dist_checkpointing
+
+    metadata = read_checkpoint_metadata(folder)
+    loaded = dist_checkpointing.load({"adapter": _adapter_state(model)}, str(Path(folder) / STATE_DIR))
+    _copy_adapters(model, loaded["adapter"])
+    return metadata
+
+
+def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) -> int:
+    """Collective: restore adapters, optimizer state (when given) and RNG states; returns the saved step."""
+    from megatron.core import dist_checkpointing
+
+    metadata = read_checkpoint_metadata(folder)
+    if metadata["world_size"] != _world_size():
+        raise CheckpointError(f"{folder} holds RNG states of {metadata['world_size']} ranks; resume on as many "
+                              f"(this run has {_world_size()}), or load the adapters alone")
+    if optimizer is not None and not metadata["optimizer"]:
+        raise CheckpointError(f"{folder} was saved without optimizer state")
+    state_dir = str(Path(folder) / STATE_DIR)
+    template = {"adapter": _adapter_state(model), "rng": _rng_state()}
+    if optimizer is not None:
+        saved = dist_checkpointing.load_common_state_dict(state_dir)["optimizer"]
+        template["optimizer"] = _optimizer_template(model, saved)
+    loaded = dist_checkpointing.load(template, state_dir)
+    _copy_adapters(model, loaded["adapter"])
+    if optimizer is not None:
+        optimizer.load_state_dict(_torch_optimizer_state(model, optimizer, loaded["optimizer"]))
+    _set_rng_state(loaded["rng"])
+    return loaded["step"]
+
+
+def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, metadata: dict) -> None:
+    from modelzoo.registry import build_provider
+
+    with runtime.parallel(tp=tp):
+        provider = build_provider(base, params_dtype=getattr(torch, metadata["params_dtype"]))
+        model = provider.provide()  # the base weights are not needed: only the adapters are written
+        apply_lora(model, provider, LoRAConfig(**metadata["lora"]))
+        load_adapter_checkpoint(model, checkpoint_dir)
+        save_adapter(model, provider, out_dir)
+
+
+def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
+                   base_dir: str | Path | None = None) -> dict:
+    """`modelzoo export-adapter`: a LoRA training checkpoint -> a PEFT adapter folder, on `tp` ranks."""
+    from modelzoo.registry import build_provider
+
+    metadata = read_checkpoint_metadata(checkpoint_dir)
+    base = base_dir if base_dir is not None else metadata["base"]
+    if base is None:
+        raise ValueError(f"{checkpoint_dir} records no base checkpoint folder: give it (--base)")
+    if Path(out_dir).exists():
+        raise FileExistsError(f"output {out_dir} already exists; choose a new path or remove it")
+    provider = build_provider(base)
+    if provider.name != metadata["architecture"]:
+        raise ValueError(f"{checkpoint_dir} holds {metadata['architecture']} adapters; {base} is a "
+                         f"{provider.name} model")
+    provider.check_parallel_layout(tp)
+    runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata)
+    return {"architecture": provider.name, "step": metadata["step"], "output": str(out_dir)}
