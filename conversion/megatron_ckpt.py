@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ HF_SUBDIR = "hf"
 METADATA_FILE = "modelzoo.json"
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -45,14 +46,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: list[Path] = ()) -> None:
-    """Collective: write `model` (every rank its shard) plus metadata and HF side files, atomically."""
+def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_side_files: Callable[[Path], None]) -> None:
+    """Collective: `dist_checkpointing.save(state)` into `folder/state_dir`, atomically.
+
+    Everything is written into a staging folder beside `folder`; once every rank has saved its shards,
+    rank 0 calls `write_side_files(staging)` and renames the staging folder into place. On any error the
+    staging folder is removed and nothing appears at `folder`.
+    """
     from megatron.core import dist_checkpointing
 
     folder = Path(folder)
-    staging = None
-    error = None
-    if _rank() == 0:
+    staging, error = None, None
+    if rank() == 0:
         try:
             staging = create_staging_folder(folder)
         except CheckpointError as failure:
@@ -61,24 +66,33 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
     if error:
         raise CheckpointError(error)
     try:
-        state = {"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
-        if _rank() == 0:
-            (staging / RELEASE).mkdir()
+        if rank() == 0:
+            (staging / state_dir).mkdir()
         _barrier()
-        dist_checkpointing.save(state, str(staging / RELEASE))
+        dist_checkpointing.save(state, str(staging / state_dir))
         _barrier()
-        if _rank() == 0:
-            (staging / TRACKER_FILE).write_text(RELEASE)
-            (staging / HF_SUBDIR).mkdir()
-            for file in hf_files:
-                shutil.copy2(file, staging / HF_SUBDIR / file.name)
-            (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        if rank() == 0:
+            write_side_files(staging)
             publish_staging_folder(staging, folder)
         _barrier()
     except BaseException:
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: list[Path] = ()) -> None:
+    """Collective: write `model` (every rank its shard) plus metadata and HF side files, atomically."""
+
+    def write_side_files(staging: Path) -> None:
+        (staging / TRACKER_FILE).write_text(RELEASE)
+        (staging / HF_SUBDIR).mkdir()
+        for file in hf_files:
+            shutil.copy2(file, staging / HF_SUBDIR / file.name)
+        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+
+    state = {"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
+    save_sharded_state(state, folder, RELEASE, write_side_files)
 
 
 def read_metadata(folder: str | Path) -> dict:

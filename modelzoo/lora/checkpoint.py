@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder
+from conversion.megatron_ckpt import rank
+from conversion.megatron_ckpt import save_sharded_state
+from conversion.safetensors_io import CheckpointError
 from modelzoo import runtime
 from modelzoo.lora.export import lora_config, save_adapter
 from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like
@@ -31,24 +32,8 @@ METADATA_FILE = "lora.json"
 STATE_DIR = "state"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _broadcast(value):
-    holder = [value]
-    if dist.is_initialized():
-        dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _adapter_state(model: torch.nn.Module) -> dict:
@@ -63,7 +48,7 @@ def _rng_state():
 
     states = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    return ShardedObject("rng_state", states, (_world_size(),), (_rank(),), replica_id=0)
+    return ShardedObject("rng_state", states, (_world_size(),), (rank(),), replica_id=0)
 
 
 def _set_rng_state(states: dict) -> None:
@@ -124,9 +109,6 @@ def _torch_optimizer_state(model: torch.nn.Module, optimizer, saved: dict) -> di
 def save_training_checkpoint(model: torch.nn.Module, provider, folder: str | Path, optimizer=None,
                              step: int = 0) -> None:
     """Collective: write adapters, optimizer state, `step` and every rank's RNG states atomically."""
-    from megatron.core import dist_checkpointing
-
-    folder = Path(folder)
     state = {"adapter": _adapter_state(model), "rng": _rng_state(), "step": step}
     if optimizer is not None:
         state["optimizer"] = _optimizer_state(model, optimizer)
@@ -140,29 +122,11 @@ def save_training_checkpoint(model: torch.nn.Module, provider, folder: str | Pat
         "step": step,
         "optimizer": optimizer is not None,
     }
-    staging, error = None, None
-    if _rank() == 0:
-        try:
-            staging = create_staging_folder(folder)
-        except CheckpointError as failure:
-            error = str(failure)
-    staging, error = _broadcast((staging, error))
-    if error:
-        raise CheckpointError(error)
-    try:
-        if _rank() == 0:
-            (staging / STATE_DIR).mkdir()
-        _barrier()
-        dist_checkpointing.save(state, str(staging / STATE_DIR))
-        _barrier()
-        if _rank() == 0:
-            (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-            publish_staging_folder(staging, folder)
-        _barrier()
-    except BaseException:
-        if _rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    def write_metadata(staging: Path) -> None:
+        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+
+    save_sharded_state(state, folder, STATE_DIR, write_metadata)
 
 
 def read_checkpoint_metadata(folder: str | Path) -> dict:
