@@ -54,7 +54,8 @@ def _refuse_existing(path: Path) -> None:
 # --- import / export ----------------------------------------------------------------------------
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str) -> int:
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
+        # every weight is loaded right after: random initialisation would be wasted time
+        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], perform_initialization=False)
         model = provider.provide()
         provider.load_hf_weights(model)
         side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
@@ -81,7 +82,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
+        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], perform_initialization=False)
         model = provider.provide()
         megatron_ckpt.load(model, megatron_dir)
         return provider.save_hf(model, out_dir, max_shard_bytes=max_shard_bytes)

@@ -38,7 +38,7 @@ def hf_outputs(hf_dir: str | Path, input_ids: torch.Tensor, dtype: torch.dtype =
 def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, ep: int, dtype: torch.dtype,
                    attention: str, with_logits: bool):
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention)
+        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
