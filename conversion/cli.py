@@ -52,12 +52,12 @@ def _refuse_existing(path: Path) -> None:
 
 
 # --- import / export ----------------------------------------------------------------------------
-def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str) -> int:
+def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None) -> int:
     with runtime.parallel(tp=tp, ep=ep):
         # every weight is loaded right after: random initialisation would be wasted time
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], perform_initialization=False)
         model = provider.provide()
-        provider.load_hf_weights(model)
+        provider.load_hf_weights(model, naming=naming)
         side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
         metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep}
         megatron_ckpt.save(model, out_dir, metadata, side_files)
@@ -70,7 +70,9 @@ def cmd_import(args) -> int:
     provider = build_provider(args.hf_dir)  # model type and layout checked before any process starts
     provider.check_parallel_layout(args.tp, args.ep)
     start = time.perf_counter()
-    local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype)
+    naming = None if args.format == "auto" else args.format
+    local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
+                                 naming)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
                         ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
@@ -78,14 +80,15 @@ def cmd_import(args) -> int:
     return 0
 
 
-def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int) -> int:
+def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int,
+                 options: dict) -> int:
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], perform_initialization=False)
         model = provider.provide()
         megatron_ckpt.load(model, megatron_dir)
-        return provider.save_hf(model, out_dir, max_shard_bytes=max_shard_bytes)
+        return provider.save_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
 
 
 def cmd_export(args) -> int:
@@ -94,8 +97,13 @@ def cmd_export(args) -> int:
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
     start = time.perf_counter()
     build_provider(Path(args.megatron_dir) / megatron_ckpt.HF_SUBDIR).check_parallel_layout(args.tp, args.ep)
+    options = {"format": args.format, "quantize": None if args.quantize == "none" else args.quantize}
+    if args.experts is not None:
+        options["experts"] = args.experts
+    if args.scale_format != "keep":
+        options["scale_format"] = args.scale_format
     written = runtime.run(_export_rank, args.tp * args.ep, args.megatron_dir, str(out), args.tp, args.ep,
-                          args.max_shard_bytes)[0]
+                          args.max_shard_bytes, options)[0]
     _summary("export", [("architecture", metadata["architecture"]), ("source", args.megatron_dir),
                         ("output", out), ("tensor / expert parallel", f"{args.tp} / {args.ep}"),
                         ("bytes written", f"{written:,}"),
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = commands.add_parser("import", help="HF checkpoint -> Megatron torch_dist checkpoint")
     sub.add_argument("hf_dir")
     sub.add_argument("megatron_dir")
+    sub.add_argument("--format", choices=("auto", "hf", "native"), default="auto",
+                     help="tensor naming of the source; native = a release checkpoint (FP8 / MXFP4 dequantised)")
     common(sub)
     sub.set_defaults(func=cmd_import)
 
@@ -206,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("megatron_dir")
     sub.add_argument("hf_dir")
     sub.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
+    sub.add_argument("--format", choices=("hf", "native"), default="hf", help="tensor naming of the output")
+    sub.add_argument("--quantize", choices=("none", "fp8"), default="none",
+                     help="fp8: re-quantise to the release layout (FP8 128x128 blocks, MXFP4 routed experts)")
+    sub.add_argument("--experts", choices=("mxfp4", "fp8"), default=None, help="routed-expert format with --quantize")
+    sub.add_argument("--scale-format", choices=("keep", "e8m0", "f32"), default="keep",
+                     help="FP8 scale format (keep: the source checkpoint's)")
     common(sub, dtype=False)
     sub.set_defaults(func=cmd_export)
 

@@ -123,6 +123,7 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
         full = rule.transform.to_megatron(sources, layout.full_shape(target), layout.tp_size)
         with torch.no_grad():
             target.copy_(layout.shard(full))
+        del sources, full  # before the next read: peak memory is one tensor, not two
 
 
 def export_hf_weights(model: torch.nn.Module, table: MappingTable) -> Iterator[tuple[str, torch.Tensor]]:

@@ -129,11 +129,19 @@ class ModelProvider:
         # Float16Module; we cast here so that every floating tensor has the dtype asked for.
         return model.to(device=runtime.device(), dtype=self.params_dtype)
 
-    def load_hf_weights(self, model: torch.nn.Module, hf_dir: str | Path | None = None, progress: bool = True) -> None:
+    def checkpoint_reader(self, folder: Path, naming: str | None = None):
+        """How this architecture reads a checkpoint folder; one with a native release format overrides it."""
+        if naming not in (None, "hf"):
+            raise ValueError(f"{self.name} checkpoints have only the 'hf' naming, not {naming!r}")
+        return CheckpointReader(folder)
+
+    def load_hf_weights(self, model: torch.nn.Module, hf_dir: str | Path | None = None, progress: bool = True,
+                        naming: str | None = None) -> None:
+        """Stream a checkpoint into `model`; `naming` picks the layout (None: the architecture detects it)."""
         folder = Path(hf_dir) if hf_dir is not None else self.hf_dir
         if folder is None:
             raise ValueError("load_hf_weights needs hf_dir: this provider was built from a config, not a folder")
-        reader = CheckpointReader(folder)
+        reader = self.checkpoint_reader(folder, naming)
         try:
             engine.load_hf_weights(model, self.mapping(), reader, progress=progress)
         finally:
@@ -165,6 +173,13 @@ class ModelProvider:
                 if source is not None and (source / file_name).exists():
                     writer.copy_file(source / file_name)
         return writer.total_bytes
+
+    def save_checkpoint(self, model: torch.nn.Module, out_dir: str | Path, format: str = "hf",
+                        quantize: str | None = None, **options) -> int:
+        """`save_hf`, or an architecture's native release format (`format="native"`, `quantize="fp8"`)."""
+        if format != "hf" or quantize is not None:
+            raise ValueError(f"{self.name} checkpoints are written only in the 'hf' format without quantisation")
+        return self.save_hf(model, out_dir, **options)
 
     def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """log p(t[i+1] | t[:i+1]) for each position, [batch, seq - 1], fp32, on every TP rank."""

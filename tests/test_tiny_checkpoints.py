@@ -6,7 +6,9 @@ from conftest import TINY
 def test_regenerating_gives_identical_bytes(tmp_path, make_tiny):
     make_tiny.main(tmp_path)
     for name in make_tiny.CHECKPOINTS:
-        for file in ("config.json", "model.safetensors"):
+        shipped = sorted(path.name for path in (TINY / name).iterdir())
+        assert sorted(path.name for path in (tmp_path / name).iterdir()) == shipped, name
+        for file in shipped:
             assert (tmp_path / name / file).read_bytes() == (TINY / name / file).read_bytes(), f"{name}/{file}"
 
 

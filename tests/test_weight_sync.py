@@ -481,10 +481,10 @@ def test_the_documented_deepseek_v4_table_is_plain_data_the_machinery_accepts():
         engine.load_weights(chunk)
     assert len(engine.weights) == len(names)
     hf = namespace["NAMINGS"]["hf"]
-    transformers_names = [f"model.layers.1.self_attn.{leaf}.weight" for leaf in (
-        "q_a_proj", "q_b_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj",
-        "compressor.indexer.kv_proj", "compressor.indexer.gate_proj", "compressor.indexer.q_b_proj")]
-    units = [[name for name, _ in chunk] for chunk, _ in pack_chunks(stream(transformers_names), GroupIndex(hf.groups), 1)]
+    exported_names = [f"model.layers.1.attn.{leaf}.weight" for leaf in (  # the bridge's (save_pretrained) names
+        "wq_a", "wq_b", "wkv", "compressor.wkv", "compressor.wgate",
+        "indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.wq_b")]
+    units = [[name for name, _ in chunk] for chunk, _ in pack_chunks(stream(exported_names), GroupIndex(hf.groups), 1)]
     assert [len(unit) for unit in units] == [1, 2, 2, 2, 1]
 
 

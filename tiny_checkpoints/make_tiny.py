@@ -109,10 +109,20 @@ def _deepseek_v4_tiny_module():
     return module
 
 
+def _deepseek_v4_native_module():
+    sys.path.insert(0, str(HERE.parent))  # native.py imports conversion.*
+    path = HERE.parent / "modelzoo" / "deepseek_v4" / "native.py"
+    spec = importlib.util.spec_from_file_location("deepseek_v4_native", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 CHECKPOINTS = {
     "llama-tiny": lambda folder: write_checkpoint(folder, LLAMA_TINY, llama_shapes(LLAMA_TINY)),
     "loopcoder-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_TINY, loopcoder_shapes(LOOPCODER_TINY)),
     "deepseek-v4-tiny": lambda folder: _deepseek_v4_tiny_module().write_deepseek_v4_tiny(folder),
+    "deepseek-v4-tiny-native": lambda folder: _deepseek_v4_native_module().write_deepseek_v4_tiny_native(folder),
 }
 
 

@@ -61,6 +61,17 @@ class DeepseekV4Provider(ModelProvider):
 
         return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp)
 
+    def checkpoint_reader(self, folder, naming=None):
+        # release checkpoints: native names, FP8 / MXFP4 weights dequantised on read (docs/deepseek_v4.md)
+        from modelzoo.deepseek_v4.native import checkpoint_view
+
+        return checkpoint_view(folder, self.params_dtype, naming)
+
+    def save_checkpoint(self, model, out_dir, format="hf", quantize=None, **options):
+        from modelzoo.deepseek_v4 import native
+
+        return native.save(self, model, out_dir, naming=format, quantize=quantize, **options)
+
     def mapping(self):
         return deepseek_v4_mapping(self.hf_config.vocab_size, self.hf_config.n_routed_experts)
 
