@@ -34,6 +34,18 @@ from modelzoo.attention import IMPLEMENTATIONS
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
+# TransformerConfig fields of a pre-norm SwiGLU decoder built from Megatron-Core's local (unfused) layers:
+# no bias, and none of the fused kernels that need Transformer Engine or Apex
+SWIGLU_RMSNORM_FIELDS = dict(
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+    add_bias_linear=False,
+    bias_activation_fusion=False,
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+)
+
 # Megatron-LM's default --make-vocab-size-divisible-by: a checkpoint we write loads there unchanged
 VOCAB_PADDING_MULTIPLE = 128
 

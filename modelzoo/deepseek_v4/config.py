@@ -13,8 +13,9 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from transformers import DeepseekV4Config
+
+from modelzoo.provider import SWIGLU_RMSNORM_FIELDS
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -175,14 +176,8 @@ def transformer_config_fields(hf: DeepseekV4Config) -> dict:
         num_moe_experts=hf.n_routed_experts,
         moe_router_topk=hf.num_experts_per_tok,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
-        normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
+        **SWIGLU_RMSNORM_FIELDS,
         gradient_accumulation_fusion=False,
         init_method_std=hf.initializer_range,
         attention_dropout=hf.attention_dropout,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelzoo.llama.bridge import llama_mapping
 from modelzoo.llama.model import build_gpt_model, gpt_forward
-from modelzoo.provider import ModelProvider
+from modelzoo.provider import SWIGLU_RMSNORM_FIELDS, ModelProvider
 from modelzoo.registry import register
 
 
@@ -20,14 +19,8 @@ def llama_transformer_fields(hf: LlamaConfig) -> dict:
         num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_key_value_heads,
         kv_channels=hf.head_dim,
-        normalization="RMSNorm",
         layernorm_epsilon=hf.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
+        **SWIGLU_RMSNORM_FIELDS,
         attention_dropout=getattr(hf, "attention_dropout", 0.0),
     )
 
