@@ -63,3 +63,18 @@ def test_merged_export_on_an_fp8_grid_base_changes_exactly_the_adapted_projectio
         expected = (base[name].float() + CONFIG.alpha / CONFIG.rank * (b @ a)).to(torch.bfloat16)
         assert not same_bytes(merged[name], base[name]), f"{name} is adapted but unchanged"
         assert same_bytes(merged[name], expected), f"{name} is not W + (alpha/r) B A rounded once"
+
+
+def test_base_weight_export_of_an_adapted_model_is_the_base_checkpoint(tmp_path):
+    # the weight engine moves base weights only: adapters (is_lora_adapter) have their own exports
+    folder = fp8_grid_checkpoint(tmp_path / "fp8-grid")
+    original = load_file(folder / "model.safetensors")
+    with runtime.parallel(tp=1):
+        provider = build_provider(folder, params_dtype=torch.bfloat16)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        apply_lora(model, provider, CONFIG)
+        set_nonzero_B(model, provider)
+        exported = dict(provider.export_hf_weights(model))
+    assert exported.keys() == original.keys()
+    assert all(same_bytes(exported[name], tensor) for name, tensor in original.items())
