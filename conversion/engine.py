@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from conversion import megatron_ckpt
 from conversion.mapping import MappingError, MappingTable
 from conversion.safetensors_io import CheckpointReader
 
@@ -115,7 +116,7 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
     """Copy a checkpoint into `model`, this rank's shard of each tensor, one tensor at a time."""
     check_checkpoint(model, table, reader)
     tensors = megatron_tensors(model)
-    show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
+    show = progress and megatron_ckpt.rank() == 0
     for name, target in tqdm(tensors.items(), desc="load", unit="tensor", disable=not show, leave=False):
         rule, indices = table.for_megatron(name)
         layout = ShardLayout(target)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
-from conversion import engine
+from conversion import engine, megatron_ckpt
 from conversion.mapping import MappingTable
 from conversion.safetensors_io import CheckpointReader, ShardedWriter
 from modelzoo import runtime
@@ -172,7 +172,7 @@ class ModelProvider:
         """
         source = Path(source_dir) if source_dir is not None else self.hf_dir
         tensors = self.export_hf_weights(model)
-        if not _is_rank_zero():
+        if megatron_ckpt.rank() != 0:
             for _ in tensors:  # take part in the gathers
                 pass
             return 0
@@ -238,12 +238,6 @@ def _parallel_sizes() -> dict[str, int]:
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:

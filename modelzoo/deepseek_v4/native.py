@@ -60,29 +60,26 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size"
 SCALE_FORMATS = {"e8m0": q.E8M0, "ue8m0": q.E8M0, "f32": torch.float32, "float32": torch.float32}
 
 
-def native_to_hf(name: str) -> str:
-    if name in NAMES_EXACT:
-        return NAMES_EXACT[name]
-    for pattern, template in NAMES_LAYER:
+def _rename(name: str, exact: dict[str, str], layer_rules: list[tuple[str, str]], naming: str) -> str:
+    if name in exact:
+        return exact[name]
+    for pattern, template in layer_rules:
         if re.match(pattern, name):
             return re.sub(pattern, template, name)
     if name.startswith("mtp."):
         return name
-    raise CheckpointError(f"{name}: not a DeepSeek-V4 native tensor name")
+    raise CheckpointError(f"{name}: not a DeepSeek-V4 {naming} tensor name")
 
 
 _HF_EXACT = {hf: native for native, hf in NAMES_EXACT.items()}
 
 
+def native_to_hf(name: str) -> str:
+    return _rename(name, NAMES_EXACT, NAMES_LAYER, "native")
+
+
 def hf_to_native(name: str) -> str:
-    if name in _HF_EXACT:
-        return _HF_EXACT[name]
-    for pattern, template in HF_LAYER:
-        if re.match(pattern, name):
-            return re.sub(pattern, template, name)
-    if name.startswith("mtp."):
-        return name
-    raise CheckpointError(f"{name}: not a DeepSeek-V4 HF tensor name")
+    return _rename(name, _HF_EXACT, HF_LAYER, "HF")
 
 
 def _base_name(name: str) -> str:
