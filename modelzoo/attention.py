@@ -69,7 +69,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None 
 
 
 @functools.cache
-def _compiled_flex_attention():
+def compiled_flex_attention():
+    """flex_attention compiled once per process (the uncompiled one is a slow reference on GPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -87,7 +88,7 @@ def _sliding_block_mask(seq_len: int, window: int, device: torch.device):
 
 def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> Tensor:
     block_mask = _sliding_block_mask(q.shape[2], window, q.device)
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+    return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
                                       enable_gqa=k.shape[1] != q.shape[1])
 
 

@@ -17,14 +17,13 @@ On CPU it runs flex_attention's unfused reference (forward only: no CPU backward
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import window_mask
+from modelzoo.attention import compiled_flex_attention, window_mask
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
 from modelzoo.deepseek_v4.model.layers import (
@@ -83,13 +82,6 @@ def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
     return torch.matmul(probs, kv).transpose(1, 2).contiguous()
 
 
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scaling: float,
                         compressed_visible: torch.Tensor | None = None, causal_ratio: int | None = None) -> torch.Tensor:
     """Same result as `eager_sink_attention`, without materialising the scores.
@@ -120,7 +112,7 @@ def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: t
             entry = (kv_idx - seq_len).clamp(min=0)
             return sliding | ((kv_idx >= seq_len) & visible[b, q_idx, entry])
     block_mask = create_block_mask(mask_mod, mask_batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
-    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    attend = compiled_flex_attention() if q.is_cuda else flex_attention
     # the compiled kernel's default 128-row tiles find no valid configuration below 128 queries (H200, torch 2.11)
     options = {"BLOCK_M": 32, "BLOCK_N": 32} if q.is_cuda and seq_len < 128 else None
     try:  # torch >= 2.9 returns the log-sum-exp through AuxRequest; return_lse is deprecated
