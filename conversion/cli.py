@@ -145,15 +145,12 @@ def cmd_logprobs(args) -> int:
     provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     dtype = DTYPES[args.dtype]
-    results = []
-    for seq in sequences:  # one sequence at a time: lengths may differ and no padding is involved
-        ids = torch.tensor([seq])
-        if args.backend == "hf":
-            logprobs, _ = hf_outputs(args.hf_dir, ids, dtype)
-        else:
-            logprobs, _ = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, with_logits=False,
-                                           ep=args.ep)
-        results.append(logprobs[0].tolist())
+    batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
+    if args.backend == "hf":
+        outputs = hf_outputs(args.hf_dir, batches, dtype)
+    else:
+        outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False, ep=args.ep)
+    results = [logprobs[0].tolist() for logprobs, _ in outputs]
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps({"logprobs": results}) + "\n")
     os.replace(partial, out)
@@ -167,8 +164,9 @@ def cmd_parity(args) -> int:
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
-    megatron_logprobs, megatron_logits = megatron_outputs(args.hf_dir, ids, args.tp, dtype, args.attention, ep=args.ep)
-    hf_logprobs, hf_logits = hf_outputs(args.hf_dir, ids, dtype)
+    [(megatron_logprobs, megatron_logits)] = megatron_outputs(args.hf_dir, [ids], args.tp, dtype, args.attention,
+                                                              ep=args.ep)
+    [(hf_logprobs, hf_logits)] = hf_outputs(args.hf_dir, [ids], dtype)
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
         "architecture": provider.name, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "attention": args.attention,

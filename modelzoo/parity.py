@@ -28,31 +28,39 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def hf_outputs(hf_dir: str | Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """(token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model, full-sequence forward."""
+def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+    """For each batch of token ids: (token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model
+    (full-sequence forward); the model is loaded once for all batches."""
     model = load_hf_model(hf_dir, dtype).to(runtime.device())
-    logits = model(input_ids.to(runtime.device()), use_cache=False).logits.float().cpu()
-    return logprobs_from_logits(logits, input_ids), logits
+    outputs = []
+    for input_ids in batches:
+        logits = model(input_ids.to(runtime.device()), use_cache=False).logits.float().cpu()
+        outputs.append((logprobs_from_logits(logits, input_ids), logits))
+    return outputs
 
 
-def _megatron_rank(rank: int, hf_dir: str, input_ids: torch.Tensor, tp: int, ep: int, dtype: torch.dtype,
+def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
                    attention: str, with_logits: bool):
     with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
-        ids = input_ids.to(runtime.device())
+        outputs = []
         with torch.no_grad():
-            logprobs = provider.token_logprobs(model, ids).float().cpu()
-            logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
-        return logprobs, logits
+            for input_ids in batches:
+                ids = input_ids.to(runtime.device())
+                logprobs = provider.token_logprobs(model, ids).float().cpu()
+                logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
+                outputs.append((logprobs, logits))
+        return outputs
 
 
-def megatron_outputs(hf_dir: str | Path, input_ids: torch.Tensor, tp: int = 1, dtype: torch.dtype = torch.float32,
+def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
                      attention: str = "exact", with_logits: bool = True, ep: int = 1):
-    """(token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees them.
+    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
+    them; the model is built and loaded once for all batches.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
-    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), input_ids, tp, ep, dtype, attention, with_logits)[0]
+    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits)[0]

@@ -22,8 +22,8 @@ def random_tokens(vocab: int, batch: int = 2, seq: int = 32, seed: int = 0) -> t
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logprob_parity(llama_tiny, tp):
     ids = random_tokens(256)
-    ours, _ = megatron_outputs(llama_tiny, ids, tp=tp, with_logits=False)
-    reference, _ = hf_outputs(llama_tiny, ids)
+    [(ours, _)] = megatron_outputs(llama_tiny, [ids], tp=tp, with_logits=False)
+    [(reference, _)] = hf_outputs(llama_tiny, [ids])
     assert ours.shape == (2, 31)
     assert (ours - reference).abs().max().item() <= LOGPROB_TOLERANCE
 
@@ -31,8 +31,8 @@ def test_logprob_parity(llama_tiny, tp):
 def test_logprob_parity_head_dim_not_hidden_over_heads(tmp_path, make_tiny):
     folder = write_llama_variant(tmp_path / "llama-hd24", make_tiny, head_dim=24)
     ids = random_tokens(256, seed=1)
-    ours, _ = megatron_outputs(folder, ids, tp=2, with_logits=False)
-    reference, _ = hf_outputs(folder, ids)
+    [(ours, _)] = megatron_outputs(folder, [ids], tp=2, with_logits=False)
+    [(reference, _)] = hf_outputs(folder, [ids])
     assert (ours - reference).abs().max().item() <= LOGPROB_TOLERANCE
 
 
@@ -40,8 +40,8 @@ def test_padded_vocabulary_gets_no_probability(tmp_path, make_tiny):
     # vocab 200 is padded to 256 rows in Megatron; padded logits must not take softmax mass
     folder = write_llama_variant(tmp_path / "llama-v200", make_tiny, vocab_size=200)
     ids = random_tokens(200, seed=2)
-    ours, logits = megatron_outputs(folder, ids, tp=2)
-    reference, reference_logits = hf_outputs(folder, ids)
+    [(ours, logits)] = megatron_outputs(folder, [ids], tp=2)
+    [(reference, reference_logits)] = hf_outputs(folder, [ids])
     assert logits.shape[-1] == 200
     assert (ours - reference).abs().max().item() <= LOGPROB_TOLERANCE
 
