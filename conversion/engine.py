@@ -7,14 +7,14 @@ from the parameters' own attributes (Megatron's `tensor_model_parallel`, `partit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from conversion import megatron_ckpt
-from conversion.mapping import MappingError, MappingTable
+from conversion.mapping import MappingError, MappingTable, Rule
 from conversion.safetensors_io import CheckpointReader
 
 
@@ -127,14 +127,20 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
         del sources, full  # before the next read: peak memory is one tensor, not two
 
 
-def export_hf_weights(model: torch.nn.Module, table: MappingTable) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model: torch.nn.Module, table: MappingTable,
+                      edit: Callable[[str, Rule, list[torch.Tensor]], list[torch.Tensor]] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
     Streams: at most one Megatron tensor is gathered at a time. Every rank must iterate (the gathers
-    are collective); all ranks receive the same tensors.
+    are collective); all ranks receive the same tensors. `edit(megatron_name, rule, hf_tensors)` may
+    replace a tensor's HF tensors before they are yielded (LoRA's merged export).
     """
     for name, tensor in megatron_tensors(model).items():
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
-        yield from zip(rule.hf_names(indices), rule.transform.to_hf(layout.gather(tensor), layout.tp_size))
+        hf_tensors = rule.transform.to_hf(layout.gather(tensor), layout.tp_size)
+        if edit is not None:
+            hf_tensors = edit(name, rule, hf_tensors)
+        yield from zip(rule.hf_names(indices), hf_tensors)
 

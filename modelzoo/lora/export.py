@@ -14,13 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
-from conversion import engine
-from conversion.mapping import MappingError
+from conversion import engine, megatron_ckpt
 from conversion.safetensors_io import staged_folder
-from modelzoo.lora.layers import LoRAConfig, LoRALayer, adapter_parameters, lora_layers
+from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
 from modelzoo.lora.targets import projections, target_table
 
 PEFT_PREFIX = "base_model.model."
@@ -28,22 +26,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def _gathered(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The full tensor of which `local` is this rank's shard, split the way parameter `like` is."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    local = local.detach()
-    if tp == 1 or not getattr(like, "tensor_model_parallel", False):
-        return local
-    shards = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=like.partition_dim)
-
-
 def _factors(layer: LoRALayer, rule) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Full A and B per projection (HF order) of one adapted layer."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    a = _gathered(layer.lora.A, layer.lora.A)
-    b = _gathered(layer.lora.effective_B(), layer.lora.B)
+    a = engine.ShardLayout(layer.lora.A).gather(layer.lora.A)
+    b = engine.ShardLayout(layer.lora.B).gather(layer.lora.effective_B())
     return a, rule.transform.to_hf(b, tp)
 
 
@@ -54,24 +41,17 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale:
 def export_merged_hf_weights(model: torch.nn.Module, provider) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(hf_name, full tensor)` of the merged model: what `provider.export_hf_weights` yields for the base,
     with every adapted projection replaced by W + (alpha/r) B A. Collective over TP; the model is not modified."""
-    mapping = provider.mapping()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     layers = {f"{name}.weight": layer for name, layer in lora_layers(model)}
-    adapter_names = set(adapter_parameters(model))
-    for name, tensor in engine.megatron_tensors(model).items():
-        if name in adapter_names:
-            continue
-        found = mapping.for_megatron(name)
-        if found is None:
-            raise MappingError(f"no mapping rule for Megatron tensor {name}")
-        rule, indices = found
-        hf_tensors = rule.transform.to_hf(_gathered(tensor, tensor), tp)
+
+    def merge(name: str, rule, hf_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         layer = layers.get(name)
         if layer is not None:
             a, b_parts = _factors(layer, rule)
             for index in layer.lora.projections:
                 hf_tensors[index] = merged_weight(hf_tensors[index], a, b_parts[index], layer.lora.scale)
-        yield from zip(rule.hf_names(indices), hf_tensors)
+        return hf_tensors
+
+    return engine.export_hf_weights(model, provider.mapping(), edit=merge)
 
 
 def adapter_hf_weights(model: torch.nn.Module, provider) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,8 +84,7 @@ def peft_config(model: torch.nn.Module, provider) -> dict:
     """
     config = lora_config(model)
     mapping = provider.mapping()
-    adapter_names = set(adapter_parameters(model))
-    base_names = [name for name in engine.megatron_tensors(model) if name not in adapter_names]
+    base_names = engine.megatron_tensors(model)  # adapters are not among them
     hf_modules = {_module(hf) for names in mapping.hf_names_for(base_names).values() for hf in names
                   if hf.endswith(".weight")}
     adapted = set()
@@ -152,7 +131,7 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     tensors = adapter_hf_weights(model, provider)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if megatron_ckpt.rank() != 0:
         for _ in tensors:  # take part in the gathers
             pass
         return out_dir
