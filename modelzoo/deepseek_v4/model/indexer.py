@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
+from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.compressor import pool_windows
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
 
 
-class Indexer(nn.Module):
+class Indexer(Decider):
     def __init__(self, config, args: DeepseekV4Args):
         super().__init__()
         self.ratio = args.compress_rates[CSA]
@@ -59,9 +59,9 @@ class Indexer(nn.Module):
         compressed_len = index_scores.shape[-1]
         top_k = min(self.topk, compressed_len)
         if compressed_len == 0:
-            return index_scores.topk(top_k, dim=-1).indices
+            return self.decide(index_scores.topk(top_k, dim=-1).indices)
         threshold = (position_ids + 1) // self.ratio                                              # [B|1, S]
         entry = torch.arange(compressed_len, device=index_scores.device)
         index_scores = index_scores.masked_fill(entry.view(1, 1, -1) >= threshold.unsqueeze(-1), float("-inf"))
         indices = index_scores.topk(top_k, dim=-1).indices
-        return torch.where(indices >= threshold.unsqueeze(-1), torch.full_like(indices, -1), indices)
+        return self.decide(torch.where(indices >= threshold.unsqueeze(-1), torch.full_like(indices, -1), indices))

@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
+from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.layers import init_sharded
 
 SCORE_FUNCTIONS = {
@@ -36,7 +37,7 @@ SCORE_FUNCTIONS = {
 }
 
 
-class Router(nn.Module):
+class Router(Decider):
     """Learned top-k router with a correction bias, or hash router reading `tid2eid[input_ids]`."""
 
     def __init__(self, config, args: DeepseekV4Args, hash_routed: bool):
@@ -63,6 +64,7 @@ class Router(nn.Module):
             indices = self.tid2eid[input_ids.reshape(-1)].long()
         else:
             indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
+        indices = self.decide(indices)
         weights = scores.gather(1, indices)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, indices
