@@ -1,6 +1,6 @@
 """DeepSeek-V4 training step on one GPU: our Megatron model against transformers' eager implementation.
 
-    python benchmarks/bench_deepseek_v4.py [--out results.json] [--steps 5]
+    python benchmarks/bench_deepseek_v4.py [--out results.json] [--steps 5] [--profile]
 
 The config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x 256,
 16 experts top-4, hc_mult 4, window 128, compress ratios 4 / 128, index top-k 512; bf16, forward +
@@ -58,10 +58,38 @@ def step_flops(c: dict) -> float:
     return dense + attention
 
 
+def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from modelzoo import runtime
+    from modelzoo.registry import build_provider
+
+    with runtime.parallel(tp=1):
+        provider = build_provider(folder, params_dtype=torch.bfloat16, attention="fast", perform_initialization=False)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            (-provider.token_logprobs(model, ids).mean()).backward()
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_deepseek_v4.json")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, profile two steps of our fast model and print the top CUDA ops")
     args = parser.parse_args()
 
     from transformers import DeepseekV4ForCausalLM
@@ -85,6 +113,9 @@ def main() -> None:
                         "tflops_lower_bound": tflops, "mfu_lower_bound": tflops / peak, "peak_memory_gib": memory})
         torch.cuda.empty_cache()
 
+    if args.profile:
+        profile_fast_model(folder, ids)
+        return
     hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
 
     def hf_step():

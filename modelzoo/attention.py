@@ -1,7 +1,9 @@
 """Causal (optionally sliding-window) softmax attention with two implementations behind one switch.
 
-- "exact": the eager math of transformers' `eager_attention_forward` (scores in the input dtype,
-  softmax in fp32). It runs anywhere and is the parity path.
+- "exact": the eager math of transformers' `eager_attention_forward`, carried out in fp32 whatever
+  the input dtype and rounded once at the end, as the fused kernels do. In fp32 it is op for op
+  transformers' eager path (the CPU parity path); in bf16 it is the precision reference the fast
+  path is checked against (bf16 scores would round each logit to 8 bits before the softmax).
 - "fast": `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels on
   GPU) for causal attention, and `flex_attention` with a sliding-window block mask on GPU.
 
@@ -38,13 +40,13 @@ def _repeat_kv(tensor: Tensor, times: int) -> Tensor:
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
                     dropout: float = 0.0) -> Tensor:
+    dtype = q.dtype
     groups = q.shape[1] // k.shape[1]
-    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    q, k, v = q.float(), _repeat_kv(k, groups).float(), _repeat_kv(v, groups).float()
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     scores = scores.masked_fill(~window_mask(q.shape[2], window, q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    probs = F.dropout(probs, p=dropout, training=dropout > 0)
-    return torch.matmul(probs, v)
+    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v).to(dtype)
 
 
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,

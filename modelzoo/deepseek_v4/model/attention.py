@@ -8,8 +8,8 @@
     o  = rope^-1(o)                               undo the rope V carried on its rope slice
     x  = wo_b(wo_a_grouped(o))                    wo_a sharded by output group, wo_b row-parallel
 
-`attention="exact"` is the eager math of transformers (the parity path): it materialises the
-[B, heads, S, S + compressed] scores. `attention="fast"` runs flex_attention (compiled on GPU)
+`attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
+rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores. `attention="fast"` runs flex_attention (compiled on GPU)
 with a block mask (sliding window + visible compressed entries) and folds the sink in afterwards
 from the returned log-sum-exp: softmax([s, sink]) . v = (softmax(s) . v) * sigmoid(lse - sink).
 On CPU it runs flex_attention's unfused reference (forward only: no CPU backward in torch).
@@ -72,14 +72,15 @@ def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
     but contributes no value.
     """
     batch, heads, seq_len, _ = q.shape
+    dtype, q, kv = q.dtype, q.float(), kv.float()
     kv = kv.expand(batch, heads, *kv.shape[2:]).reshape(batch, heads, *kv.shape[2:])   # repeat_kv
     scores = torch.matmul(q, kv.transpose(2, 3)) * scaling
     scores = scores + mask
-    sink = sinks.reshape(1, -1, 1, 1).expand(batch, -1, seq_len, -1)
+    sink = sinks.float().reshape(1, -1, 1, 1).expand(batch, -1, seq_len, -1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-    return torch.matmul(probs, kv).transpose(1, 2).contiguous()
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs, kv).to(dtype).transpose(1, 2).contiguous()
 
 
 def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scaling: float,
@@ -125,7 +126,7 @@ def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: t
         out, lse = attend(q, kv, kv, block_mask=block_mask, scale=scaling, enable_gqa=True, return_lse=True,
                           kernel_options=options)
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))         # probability mass not on the sink
-    return (out * keep.unsqueeze(-1).to(out.dtype)).transpose(1, 2).contiguous()
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype).transpose(1, 2).contiguous()
 
 
 class DeepseekV4Attention(nn.Module):
