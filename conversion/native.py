@@ -9,6 +9,11 @@ block geometry or an unknown dtype is one error naming the tensor and its file.
 
 `quantize_stream` is the other direction: `(name, tensor)` pairs in, the same pairs renamed, with the
 chosen ones quantised and followed by their scales.
+
+Kept scales make import -> export lossless for checkpoints quantised by rules other than ours: an import
+keeps the source's scale tensors beside the Megatron checkpoint (`write_kept_scales`, named by the
+view's weight names), and the export quantises each weight with its kept scale wherever that scale
+still encodes the weight's values exactly (conversion/quantization.py, "Kept scales").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from conversion import quantization as q
 from conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
+KEPT_SCALES_DIR = "kept_scales"  # beside an imported checkpoint's config.json (the Megatron checkpoint's hf/)
 SCALE_SUFFIXES = {"native": ".scale", "hf": ".weight_scale_inv"}  # both are read; which one is written
 _UNSCALED_FORBIDDEN = {torch.float8_e4m3fn, torch.float8_e5m2, q.E8M0}
 
@@ -101,12 +107,28 @@ class CheckpointView:
         self.reader.close()
 
 
+def write_kept_scales(view: CheckpointView, folder, max_shard_bytes: int = 2 * 2**30) -> int:
+    """Write the scale of every quantised tensor of `view` into `folder` (safetensors shards), each under
+    the view's name of its weight. Returns the number of scales (0: nothing quantised, nothing written)."""
+    from conversion.safetensors_io import ShardedWriter
+
+    scaled = [(name, scale) for name in view.names() for _, scale in [view.source(name)] if scale is not None]
+    if not scaled:
+        return 0
+    with ShardedWriter(folder, max_shard_bytes) as writer:
+        for name, scale in scaled:
+            writer.add(name, view.reader.get(scale))
+    return len(scaled)
+
+
 def quantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str],
                     fmt_of: Callable[[str], str | None], naming: str, scale_dtype: torch.dtype = q.E8M0,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    dtype: torch.dtype | None = None, kept_scales: CheckpointReader | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rename each tensor; quantise those `fmt_of(renamed)` names ('fp8' | 'mxfp4') and yield their scales.
 
-    `dtype` casts the tensors that stay unquantised (floating point only), e.g. bfloat16.
+    `dtype` casts the tensors that stay unquantised (floating point only), e.g. bfloat16. `kept_scales`:
+    scales written by `write_kept_scales` at import, used where they fit the requested format.
     """
     for name, tensor in tensors:
         out = rename(name)
@@ -114,6 +136,9 @@ def quantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], rename: Callabl
         if fmt is None:
             yield out, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
-        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out)
+        kept = kept_scales.get(name) if kept_scales is not None and name in kept_scales.tensors else None
+        if kept is not None and not q.can_keep(kept, fmt, scale_dtype, tensor.shape):
+            kept = None
+        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out, keep_scale=kept)
         yield out, weight
         yield scale_name(out, naming), scale

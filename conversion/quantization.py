@@ -28,6 +28,12 @@ Quantisation rules (chosen so that quantise(dequantise(q, s)) == (q, s) bit for 
 - FP8, float32 scale: s = amax / 448 (DeepSeek's rule), then s <- (448 s) / 448 in fp32 until it no longer
   changes (one step in practice; about 16% of fp32 values are not fixed points of that map), so that
   re-quantising the dequantised block reproduces s exactly. An all-zero block gets s = 1.
+
+Kept scales. A checkpoint quantised by another rule (DeepSeek's ceil rule above, or an MXFP4 rule other
+than the spec's) can hold blocks that these rules encode differently with the same values. Passing the
+source's scales as `keep_scale` makes every block that its kept scale still encodes exactly (dequantising
+gives back the block's values in the input dtype) keep that scale, so import -> export reproduces a
+release's bytes; blocks whose values changed (training) get a fresh scale by the rules above.
 """
 
 from __future__ import annotations
@@ -127,13 +133,33 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return out.to(dtype)
 
 
-def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "tensor"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., R, C] -> (float8_e4m3fn [..., R, C], scale [..., ceil(R/128), ceil(C/128)] in `scale_dtype`)."""
+def _fp8_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of blocks [..., rb, 128, cb, 128] under float scales [..., rb, cb]."""
+    return (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _fp8_exact_blocks(blocks: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [..., rb, cb]: the block dequantises back to its values (in `dtype`) under `scale`."""
+    back = (_fp8_codes(blocks, scale).to(torch.float32) * scale[..., :, None, :, None]).to(dtype).to(torch.float32)
+    return (back == blocks).all(dim=-1).all(dim=-2)
+
+
+def _check_kept_scale(keep_scale: torch.Tensor, shape: tuple[int, ...], dtypes, name: str) -> None:
+    if tuple(keep_scale.shape) != tuple(shape) or keep_scale.dtype not in dtypes:
+        raise QuantizationError(f"{name}: kept scale {list(keep_scale.shape)} {keep_scale.dtype} does not match the "
+                                f"scale being written ({list(shape)}, one of {[str(d) for d in dtypes]})")
+
+
+def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
+                 keep_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., R, C] -> (float8_e4m3fn [..., R, C], scale [..., ceil(R/128), ceil(C/128)] in `scale_dtype`).
+
+    `keep_scale`: a previous scale of the same geometry and dtype; see "Kept scales" above."""
     if scale_dtype not in FP8_SCALE_DTYPES:
         raise QuantizationError(f"{name}: FP8 scale dtype {scale_dtype} is not float32 or E8M0")
     if x.dim() < 2:
         raise QuantizationError(f"{name}: FP8 block quantisation needs at least 2 dims, got {list(x.shape)}")
+    source_dtype = x.dtype
     x = x.to(torch.float32)
     _check_finite(x, name)
     *lead, rows, cols = x.shape
@@ -150,18 +176,23 @@ def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "
             scale = nxt
         else:
             raise QuantizationError(f"{name}: float32 block scales did not reach a fixed point")
-        scaled = blocks / scale[..., :, None, :, None]
-        stored = scale
     else:
         mantissa, exp = torch.frexp(amax)  # amax = m 2^k, m in [0.5, 1)
         exponent = torch.where(mantissa * 512 <= 464, exp - 9, exp - 8)  # smallest e with amax / 2^e <= 464
         exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -127)).clamp(min=-127)
         if (exponent > 127).any():
             raise QuantizationError(f"{name}: values too large for an E8M0 scale")
-        scaled = torch.ldexp(blocks, -exponent[..., :, None, :, None])
-        stored = _e8m0_from_exponent(exponent, scale_dtype)
-    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    q = q.reshape(*lead, rb * FP8_BLOCK, cb * FP8_BLOCK)[..., :rows, :cols].contiguous()
+        scale = torch.ldexp(torch.ones_like(amax), exponent)
+    if keep_scale is not None:
+        _check_kept_scale(keep_scale, (*lead, rb, cb), (scale_dtype,) if scale_dtype == torch.float32
+                          else (E8M0, torch.uint8), name)
+        kept = _scale_to_float(keep_scale)
+        scale = torch.where(_fp8_exact_blocks(blocks, kept, source_dtype), kept, scale)
+    if scale_dtype == torch.float32:
+        stored = scale
+    else:
+        stored = _e8m0_from_exponent(torch.frexp(scale)[1] - 1, scale_dtype)
+    q = _fp8_codes(blocks, scale).reshape(*lead, rb * FP8_BLOCK, cb * FP8_BLOCK)[..., :rows, :cols].contiguous()
     return q, stored.contiguous()
 
 
@@ -207,13 +238,16 @@ def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(x: torch.Tensor, packed_dtype: torch.dtype = torch.int8, scale_dtype: torch.dtype = E8M0,
-                   name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., R, C] (C even) -> (packed [..., R, C/2] in `packed_dtype`, E8M0 scale [..., R, ceil(C/32)])."""
+                   name: str = "tensor", keep_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., R, C] (C even) -> (packed [..., R, C/2] in `packed_dtype`, E8M0 scale [..., R, ceil(C/32)]).
+
+    `keep_scale`: a previous E8M0 scale of the same geometry; see "Kept scales" above."""
     if packed_dtype not in MXFP4_PACKED_DTYPES or scale_dtype not in MXFP4_SCALE_DTYPES:
         raise QuantizationError(f"{name}: MXFP4 needs int8/uint8 packing and an E8M0 scale, "
                                 f"got {packed_dtype} / {scale_dtype}")
     if x.dim() < 2 or x.shape[-1] % 2:
         raise QuantizationError(f"{name}: MXFP4 packs two values per byte: the last dim must be even, got {list(x.shape)}")
+    source_dtype = x.dtype
     x = x.to(torch.float32)
     _check_finite(x, name)
     *lead, rows, cols = x.shape
@@ -224,6 +258,12 @@ def quantize_mxfp4(x: torch.Tensor, packed_dtype: torch.dtype = torch.int8, scal
     exponent = torch.where(amax > 0, exp - 3, torch.full_like(exp, -127)).clamp(min=-127)
     if (exponent > 127).any():
         raise QuantizationError(f"{name}: values too large for an E8M0 scale")
+    if keep_scale is not None:
+        _check_kept_scale(keep_scale, (*lead, rows, cb), MXFP4_SCALE_DTYPES, name)
+        kept = keep_scale.view(torch.uint8).to(exponent.dtype) - 127
+        back = torch.ldexp(_e2m1_decode(_e2m1_encode(torch.ldexp(blocks, -kept[..., None]))), kept[..., None])
+        exact = (back.to(source_dtype).to(torch.float32) == blocks).all(dim=-1)
+        exponent = torch.where(exact, kept, exponent)
     codes = _e2m1_encode(torch.ldexp(blocks, -exponent[..., None])).flatten(-2)[..., :cols]
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     packed = packed if packed_dtype == torch.uint8 else packed.view(torch.int8)
@@ -257,10 +297,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return dequantize_mxfp4(weight, scale, dtype, name)
 
 
-def quantize(x: torch.Tensor, fmt: str, scale_dtype: torch.dtype = E8M0, name: str = "tensor"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_shape(fmt: str, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    return fp8_scale_shape(shape) if fmt == "fp8" else mxfp4_scale_shape(shape)
+
+
+def can_keep(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether `kept` can be the kept scale of quantising a `shape` tensor to `fmt` with `scale_dtype` scales
+    (not when the source stored the tensor in another format or scale dtype)."""
+    if tuple(kept.shape) != scale_shape(fmt, shape):
+        return False
+    if fmt == "fp8" and scale_dtype == torch.float32:
+        return kept.dtype == torch.float32
+    return kept.dtype in (E8M0, torch.uint8)
+
+
+def quantize(x: torch.Tensor, fmt: str, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
+             keep_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt == "fp8":
-        return quantize_fp8(x, scale_dtype, name)
+        return quantize_fp8(x, scale_dtype, name, keep_scale)
     if fmt == "mxfp4":
-        return quantize_mxfp4(x, torch.int8, E8M0 if scale_dtype == torch.float32 else scale_dtype, name)
+        return quantize_mxfp4(x, torch.int8, E8M0 if scale_dtype == torch.float32 else scale_dtype, name, keep_scale)
     raise QuantizationError(f"{name}: unknown quantisation format {fmt!r} (fp8 | mxfp4)")

@@ -176,10 +176,9 @@ def test_fp8_scale_rules():
     assert torch.allclose(f32[blocks > 0], blocks[blocks > 0] / 448, rtol=1e-6, atol=0)
 
 
-def test_deepseek_rule_blocks_keep_their_values():
-    """DeepSeek's E8M0 rule e = ceil(log2(amax / 448)) can leave a block whose largest |q| is 224: that block
-    has a second encoding (2q at e - 1) with the same values, which is what we return; all other blocks
-    come back byte for byte."""
+def deepseek_rule_fp8():
+    """A 256 x 384 tensor quantised with DeepSeek's E8M0 rule e = ceil(log2(amax / 448)); block (0, 0) has
+    amax 226 * 2^-6, so its largest |q| rounds to 224 (a block with a second encoding)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(256, 384, generator=g)
     x[0, 0] = 226 * 2.0 ** -6 * 1.0  # block (0, 0): amax = 226 * 2^-6 -> DeepSeek e = -6, rounds to 224
@@ -187,7 +186,13 @@ def test_deepseek_rule_blocks_keep_their_values():
     amax = x.reshape(2, 128, 3, 128).abs().amax(dim=(1, 3))
     e = torch.ceil(torch.log2(amax / 448))
     theirs = (x.reshape(2, 128, 3, 128) / 2.0 ** e[:, None, :, None]).reshape(256, 384).to(torch.float8_e4m3fn)
-    their_scale = (e + 127).to(torch.uint8).view(E8M0)
+    return theirs, (e + 127).to(torch.uint8).view(E8M0)
+
+
+def test_deepseek_rule_blocks_keep_their_values():
+    """Without the source's scales, the block whose largest |q| is 224 comes back in its second encoding
+    (2q at e - 1, the same values); all other blocks come back byte for byte."""
+    theirs, their_scale = deepseek_rule_fp8()
     values = q.dequantize_fp8(theirs, their_scale)
     ours, our_scale = q.quantize_fp8(values, E8M0)
     assert torch.equal(q.dequantize_fp8(ours, our_scale), values)
@@ -195,6 +200,58 @@ def test_deepseek_rule_blocks_keep_their_values():
     same = our_scale.view(torch.uint8) == their_scale.view(torch.uint8)
     assert qmax[0, 0] == 224 and not same[0, 0]
     assert same[qmax != 224].all() and (qmax != 224).sum() == 5
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_kept_scales_reproduce_a_deepseek_rule_release_byte_for_byte(model_dtype):
+    theirs, their_scale = deepseek_rule_fp8()
+    values = q.dequantize_fp8(theirs, their_scale, model_dtype)   # what an import holds
+    ours, our_scale = q.quantize_fp8(values, E8M0, keep_scale=their_scale)
+    assert same_bytes(ours, theirs) and same_bytes(our_scale, their_scale)
+
+
+def test_kept_float32_scales_reproduce_arbitrary_scales_byte_for_byte():
+    weight, scale = random_fp8((200, 300), torch.float32)   # random scales: not fixed points of our rule
+    values = q.dequantize_fp8(weight, scale)
+    ours, our_scale = q.quantize_fp8(values, torch.float32, keep_scale=scale)
+    assert same_bytes(ours, weight) and same_bytes(our_scale, scale)
+    fresh, fresh_scale = q.quantize_fp8(values, torch.float32)
+    assert not same_bytes(fresh_scale, scale)   # control: without them the scales differ
+
+
+def test_kept_mxfp4_scales_reproduce_another_rules_bytes():
+    """Blocks whose codes stay below 4 (|v| <= 2^e * 3): the spec's rule picks e - 1 for them, the kept scale e."""
+    packed, scale = random_mxfp4((16, 64), seed=2)
+    raw = packed.view(torch.uint8)
+    low = torch.arange(16) % 2 == 0
+    raw[low] = raw[low] & 0xBB   # even rows: every code's magnitude bits limited to 0..3 (|v| <= 1.5)
+    values = q.dequantize_mxfp4(packed, scale, torch.bfloat16)
+    ours, our_scale = q.quantize_mxfp4(values, keep_scale=scale)
+    assert same_bytes(ours, packed) and same_bytes(our_scale, scale)
+    _, fresh_scale = q.quantize_mxfp4(values)
+    assert not torch.equal(fresh_scale.view(torch.uint8)[low], scale.view(torch.uint8)[low])   # control
+
+
+def test_a_block_whose_values_changed_gets_a_fresh_scale():
+    theirs, their_scale = deepseek_rule_fp8()
+    values = q.dequantize_fp8(theirs, their_scale)
+    values[0, 1] = 0.123456789   # "trained": off the block's grid
+    ours, our_scale = q.quantize_fp8(values, E8M0, keep_scale=their_scale)
+    _, fresh_scale = q.quantize_fp8(values, E8M0)
+    kept = our_scale.view(torch.uint8) == their_scale.view(torch.uint8)
+    assert not kept[0, 0] and our_scale.view(torch.uint8)[0, 0] == fresh_scale.view(torch.uint8)[0, 0]
+    assert kept.flatten()[1:].all()
+    assert same_bytes(ours[128:], theirs[128:]) and same_bytes(ours[:128, 128:], theirs[:128, 128:])
+
+
+def test_a_kept_scale_of_another_geometry_is_refused():
+    with pytest.raises(q.QuantizationError, match=r"w: kept scale \[2, 3\] .* does not match the scale being "
+                                                  r"written \(\[2, 2\]"):
+        q.quantize_fp8(torch.ones(256, 256), E8M0, name="w", keep_scale=torch.zeros(2, 3, dtype=torch.uint8))
 
 
 def test_bad_input_is_one_error_naming_the_tensor():

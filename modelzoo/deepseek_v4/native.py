@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from conversion import quantization as q
-from conversion.native import CheckpointView, quantize_stream
+from conversion.native import KEPT_SCALES_DIR, CheckpointView, quantize_stream
 from conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
 
 # native -> bridge HF, whole names (checked first), then prefixes; MTP names are the same in both
@@ -123,9 +123,11 @@ def checkpoint_view(folder_or_reader, dtype: torch.dtype = torch.float32, naming
 
 
 def export_weights(provider, model, naming: str = "native", quantize: str | None = None, experts: str = "mxfp4",
-                   scale_format: str = "e8m0", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   scale_format: str = "e8m0", dtype: torch.dtype | None = None,
+                   kept_scales: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(name, tensor)` in `naming` ('native' | 'hf'); `quantize='fp8'` writes the release precision
-    (FP8 128x128 blocks, routed experts `experts`='mxfp4' | 'fp8', FP8 scales in `scale_format`)."""
+    (FP8 128x128 blocks, routed experts `experts`='mxfp4' | 'fp8', FP8 scales in `scale_format`), keeping
+    the source's scales (`kept_scales`, conversion/native.py) where they still encode a weight exactly."""
     if naming not in ("native", "hf"):
         raise ValueError(f"naming={naming!r} is not 'native' or 'hf'")
     if quantize not in (None, "fp8"):
@@ -136,7 +138,8 @@ def export_weights(provider, model, naming: str = "native", quantize: str | None
         raise ValueError(f"scale_format={scale_format!r} is not one of {sorted(SCALE_FORMATS)}")
     rename = hf_to_native if naming == "native" else (lambda name: name)
     fmt_of = (lambda name: release_format(_native(name, naming), experts)) if quantize else (lambda name: None)
-    return quantize_stream(provider.export_hf_weights(model), rename, fmt_of, naming, SCALE_FORMATS[scale_format], dtype)
+    return quantize_stream(provider.export_hf_weights(model), rename, fmt_of, naming, SCALE_FORMATS[scale_format], dtype,
+                           kept_scales)
 
 
 def _native(name: str, naming: str) -> str:
@@ -185,21 +188,27 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     source = Path(source_dir) if source_dir is not None else provider.hf_dir
     if scale_format is None:
         scale_format = source_scale_format(source) if source is not None else "e8m0"
-    tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        for _ in tensors:
-            pass
-        return 0
-    config = json.loads((source / "config.json").read_text()) if source is not None and (source / "config.json").exists() \
-        else provider.hf_config.to_dict()
-    with ShardedWriter(out_dir, max_shard_bytes) as writer:
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        writer.write_json("config.json", export_config(config, quantize, experts, scale_format))
-        for file_name in TOKENIZER_FILES:
-            if source is not None and (source / file_name).exists():
-                writer.copy_file(source / file_name)
-    return writer.total_bytes
+    kept = source / KEPT_SCALES_DIR if source is not None else None
+    kept_scales = CheckpointReader(kept) if quantize and kept is not None and kept.is_dir() else None
+    try:
+        tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept_scales)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in tensors:
+                pass
+            return 0
+        config = json.loads((source / "config.json").read_text()) \
+            if source is not None and (source / "config.json").exists() else provider.hf_config.to_dict()
+        with ShardedWriter(out_dir, max_shard_bytes) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+            writer.write_json("config.json", export_config(config, quantize, experts, scale_format))
+            for file_name in TOKENIZER_FILES:
+                if source is not None and (source / file_name).exists():
+                    writer.copy_file(source / file_name)
+        return writer.total_bytes
+    finally:
+        if kept_scales is not None:
+            kept_scales.close()
 
 
 # --- the tiny native checkpoint -------------------------------------------------------------------
