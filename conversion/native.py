@@ -11,14 +11,17 @@ block geometry or an unknown dtype is one error naming the tensor and its file.
 chosen ones quantised and followed by their scales.
 
 Kept scales make import -> export lossless for checkpoints quantised by rules other than ours: an import
-keeps the source's scale tensors beside the Megatron checkpoint (`write_kept_scales`, named by the
-view's weight names), and the export quantises each weight with its kept scale wherever that scale
-still encodes the weight's values exactly (conversion/quantization.py, "Kept scales").
+keeps the source's scale tensors and formats beside the Megatron checkpoint (`KeptScales`, by the
+view's weight names); the export quantises the weights the source quantised, in its formats, each
+with its kept scale wherever that scale still encodes the weight's values exactly
+(conversion/quantization.py, "Kept scales").
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -107,38 +110,70 @@ class CheckpointView:
         self.reader.close()
 
 
-def write_kept_scales(view: CheckpointView, folder, max_shard_bytes: int = 2 * 2**30) -> int:
-    """Write the scale of every quantised tensor of `view` into `folder` (safetensors shards), each under
-    the view's name of its weight. Returns the number of scales (0: nothing quantised, nothing written)."""
-    from conversion.safetensors_io import ShardedWriter
+class KeptScales:
+    """The scales and formats of a quantised source, kept beside an imported checkpoint (`folder`), by the
+    view's weight names: which weights the source quantised, how, and with which scale."""
 
-    scaled = [(name, scale) for name in view.names() for _, scale in [view.source(name)] if scale is not None]
-    if not scaled:
-        return 0
-    with ShardedWriter(folder, max_shard_bytes) as writer:
-        for name, scale in scaled:
-            writer.add(name, view.reader.get(scale))
-    return len(scaled)
+    FORMATS_FILE = "formats.json"
+
+    def __init__(self, folder):
+        self.reader = CheckpointReader(folder)
+        self.formats: dict[str, str] = json.loads((Path(folder) / self.FORMATS_FILE).read_text())
+
+    @classmethod
+    def write(cls, view: CheckpointView, folder, max_shard_bytes: int = 2 * 2**30) -> int:
+        """Keep the scale of every quantised tensor of `view` in `folder`. Returns how many (0: nothing
+        quantised, nothing written)."""
+        from conversion.safetensors_io import ShardedWriter
+
+        scaled = [(name, scale) for name in view.names() for _, scale in [view.source(name)] if scale is not None]
+        if not scaled:
+            return 0
+        formats = {}
+        with ShardedWriter(folder, max_shard_bytes) as writer:
+            for name, scale in scaled:
+                formats[name] = q.quantized_format(view.reader.tensors[view.source(name)[0]].dtype, name)
+                writer.add(name, view.reader.get(scale))
+            writer.write_json(cls.FORMATS_FILE, formats)
+        return len(scaled)
+
+    def format(self, name: str) -> str | None:
+        """'fp8' | 'mxfp4' as the source stored weight `name`, None if it was not quantised."""
+        return self.formats.get(name)
+
+    def scale(self, name: str, fmt: str, scale_dtype: torch.dtype, shape) -> torch.Tensor | None:
+        """The kept scale of `name` if it fits a `fmt` quantisation of a `shape` tensor into `scale_dtype`."""
+        if name not in self.formats:
+            return None
+        kept = self.reader.get(name)
+        return kept if q.can_keep(kept, fmt, scale_dtype, shape) else None
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def keep_source_scales(reader, folder: Path) -> None:
+    """At import: keep a quantised source's scales in `folder`/KEPT_SCALES_DIR (nothing for any other source)."""
+    if isinstance(reader, CheckpointView) and reader.quantized:
+        KeptScales.write(reader, Path(folder) / KEPT_SCALES_DIR)
 
 
 def quantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str],
                     fmt_of: Callable[[str], str | None], naming: str, scale_dtype: torch.dtype = q.E8M0,
-                    dtype: torch.dtype | None = None, kept_scales: CheckpointReader | None = None,
+                    dtype: torch.dtype | None = None, kept: KeptScales | None = None,
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename each tensor; quantise those `fmt_of(renamed)` names ('fp8' | 'mxfp4') and yield their scales.
+    """Rename each tensor; quantise those whose `fmt_of(name)` is 'fp8' | 'mxfp4' and yield their scales.
 
-    `dtype` casts the tensors that stay unquantised (floating point only), e.g. bfloat16. `kept_scales`:
-    scales written by `write_kept_scales` at import, used where they fit the requested format.
+    `dtype` casts the tensors that stay unquantised (floating point only), e.g. bfloat16. `kept`: the
+    source's scales, used where they fit the requested format.
     """
     for name, tensor in tensors:
         out = rename(name)
-        fmt = fmt_of(out)
+        fmt = fmt_of(name)
         if fmt is None:
             yield out, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
-        kept = kept_scales.get(name) if kept_scales is not None and name in kept_scales.tensors else None
-        if kept is not None and not q.can_keep(kept, fmt, scale_dtype, tensor.shape):
-            kept = None
-        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out, keep_scale=kept)
+        keep_scale = kept.scale(name, fmt, scale_dtype, tensor.shape) if kept is not None else None
+        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out, keep_scale=keep_scale)
         yield out, weight
         yield scale_name(out, naming), scale

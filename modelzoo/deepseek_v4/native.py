@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from conversion import quantization as q
-from conversion.native import KEPT_SCALES_DIR, CheckpointView, quantize_stream
+from conversion.native import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
 from conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
 
 # native -> bridge HF, whole names (checked first), then prefixes; MTP names are the same in both
@@ -122,28 +122,41 @@ def checkpoint_view(folder_or_reader, dtype: torch.dtype = torch.float32, naming
     return CheckpointView(reader, rename=native_to_hf if naming == "native" else None, dtype=dtype)
 
 
-def export_weights(provider, model, naming: str = "native", quantize: str | None = None, experts: str = "mxfp4",
+def export_weights(provider, model, naming: str = "native", quantize: str | None = None, experts: str | None = None,
                    scale_format: str = "e8m0", dtype: torch.dtype | None = None,
-                   kept_scales: CheckpointReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream `(name, tensor)` in `naming` ('native' | 'hf'); `quantize='fp8'` writes the release precision
-    (FP8 128x128 blocks, routed experts `experts`='mxfp4' | 'fp8', FP8 scales in `scale_format`), keeping
-    the source's scales (`kept_scales`, conversion/native.py) where they still encode a weight exactly."""
+                   kept: KeptScales | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(name, tensor)` in `naming` ('native' | 'hf'); `quantize='fp8'` writes the release precision:
+    FP8 128x128 blocks with scales in `scale_format`, routed experts in `experts` ('mxfp4' | 'fp8'; None:
+    as the source stored them, else mxfp4). With `kept` (the source's KeptScales) the weights the source
+    quantised are the ones quantised, in its formats, with its scales wherever they still encode a weight
+    exactly; without, the release table above decides."""
     if naming not in ("native", "hf"):
         raise ValueError(f"naming={naming!r} is not 'native' or 'hf'")
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantize={quantize!r} is not None or 'fp8'")
-    if experts not in ("mxfp4", "fp8"):
+    if experts not in (None, "mxfp4", "fp8"):
         raise ValueError(f"experts={experts!r} is not 'mxfp4' or 'fp8'")
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format={scale_format!r} is not one of {sorted(SCALE_FORMATS)}")
     rename = hf_to_native if naming == "native" else (lambda name: name)
-    fmt_of = (lambda name: release_format(_native(name, naming), experts)) if quantize else (lambda name: None)
+
+    def fmt_of(name: str) -> str | None:
+        if not quantize:
+            return None
+        native_name = hf_to_native(name)
+        if kept is None:
+            return release_format(native_name, experts or "mxfp4")
+        fmt = kept.format(name)
+        return experts if fmt is not None and experts is not None and RELEASE_EXPERTS.match(native_name) else fmt
+
     return quantize_stream(provider.export_hf_weights(model), rename, fmt_of, naming, SCALE_FORMATS[scale_format], dtype,
-                           kept_scales)
+                           kept)
 
 
-def _native(name: str, naming: str) -> str:
-    return name if naming == "native" else hf_to_native(name)
+def _expert_format(kept: KeptScales | None) -> str:
+    """How the source stored its routed experts ('mxfp4' if it kept no scales for them)."""
+    formats = kept.formats if kept is not None else {}
+    return next((fmt for name, fmt in formats.items() if RELEASE_EXPERTS.match(hf_to_native(name))), "mxfp4")
 
 
 def source_scale_format(folder) -> str:
@@ -173,7 +186,7 @@ def export_config(config: dict, quantize: str | None, experts: str, scale_format
     return config
 
 
-def save(provider, model, out_dir, naming: str = "native", quantize: str | None = None, experts: str = "mxfp4",
+def save(provider, model, out_dir, naming: str = "native", quantize: str | None = None, experts: str | None = None,
          scale_format: str | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
          source_dir=None) -> int:
     """Write a checkpoint folder atomically (rank 0; collective like provider.save_hf). Returns bytes written.
@@ -188,10 +201,11 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     source = Path(source_dir) if source_dir is not None else provider.hf_dir
     if scale_format is None:
         scale_format = source_scale_format(source) if source is not None else "e8m0"
-    kept = source / KEPT_SCALES_DIR if source is not None else None
-    kept_scales = CheckpointReader(kept) if quantize and kept is not None and kept.is_dir() else None
+    kept_folder = source / KEPT_SCALES_DIR if source is not None else None
+    kept = KeptScales(kept_folder) if quantize and kept_folder is not None and kept_folder.is_dir() else None
+    experts = experts or _expert_format(kept)
     try:
-        tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept_scales)
+        tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in tensors:
                 pass
@@ -207,8 +221,8 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
                     writer.copy_file(source / file_name)
         return writer.total_bytes
     finally:
-        if kept_scales is not None:
-            kept_scales.close()
+        if kept is not None:
+            kept.close()
 
 
 # --- the tiny native checkpoint -------------------------------------------------------------------

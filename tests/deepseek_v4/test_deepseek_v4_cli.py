@@ -3,8 +3,9 @@
 import pytest
 import torch
 from conftest import TINY
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from conversion import quantization as q
 from conversion.cli import main
 
 DEEPSEEK_V4 = TINY / "deepseek-v4-tiny"
@@ -49,3 +50,63 @@ def test_cli_refuses_native_format_for_a_model_without_one(tmp_path, capsys):
     assert main(["import", str(TINY / "llama-tiny"), str(tmp_path / "out"), "--format", "native"]) == 2
     assert "llama checkpoints have only the 'hf' naming, not 'native'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _ceil_rule_release(tensors: dict) -> dict:
+    """The native tiny re-quantised by another quantiser's rule, e = ceil(log2(amax / max code)) per block
+    (DeepSeek's FP8 rule; the same for MXFP4), which leaves blocks that our rule would encode differently:
+    FP8 blocks whose largest |q| is 224 (one is forced) and MXFP4 blocks whose largest |code| is 3."""
+    out = {}
+    forced = False
+    for name, weight in tensors.items():
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if name.endswith(".scale") or scale_name not in tensors:   # unquantised: bf16, as in a release
+            out.setdefault(name, weight.bfloat16() if weight.is_floating_point() and weight.dtype != q.E8M0 else weight)
+            continue
+        values = q.dequantize(weight, tensors[scale_name]) * 0.55   # off our own grid: 6 * 0.55 -> code 3
+        if q.quantized_format(weight.dtype) == "fp8":
+            if not forced:   # block (0, 0)'s largest magnitude to 226 * 2^j: its largest code rounds to 224
+                block = values[:128, :128]
+                at = block.abs().argmax()
+                peak = block.flatten()[at]
+                block.view(-1)[at] = torch.sign(peak) * 226 * 2.0 ** torch.round(torch.log2(peak.abs() / 226))
+                forced = True
+            rows, cols = values.shape
+            padded = torch.nn.functional.pad(values, (0, -cols % 128, 0, -rows % 128))
+            blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+            e = torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)) / 448))
+            codes = (blocks / 2.0 ** e[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)
+            out[name], out[scale_name] = codes[:rows, :cols].contiguous(), (e + 127).to(torch.uint8).view(q.E8M0)
+        else:
+            rows, cols = values.shape
+            blocks = torch.nn.functional.pad(values, (0, -cols % 32)).reshape(rows, -1, 32)
+            e = torch.ceil(torch.log2(blocks.abs().amax(dim=-1) / 6))
+            nibbles = q._e2m1_encode(blocks / 2.0 ** e[..., None]).flatten(-2)[..., :cols]
+            packed = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).view(weight.dtype)
+            out[name], out[scale_name] = packed.contiguous(), (e + 127).to(torch.uint8).view(q.E8M0)
+    return out
+
+
+def test_cli_round_trip_of_another_quantisers_release_is_byte_exact(tmp_path):
+    """import -> export --format native --quantize fp8 of a release our quantiser would not have written:
+    the kept source scales make every byte come back (the acceptance: lossless for real checkpoints)."""
+    native = TINY / "deepseek-v4-tiny-native"
+    source = {k: v for f in sorted(native.glob("*.safetensors")) for k, v in load_file(f).items()}
+    release = _ceil_rule_release(source)
+    (tmp_path / "release").mkdir()
+    save_file(release, tmp_path / "release" / "model.safetensors")
+    (tmp_path / "release" / "config.json").write_bytes((native / "config.json").read_bytes())
+    # control: without the kept scales, re-quantising changes FP8 and MXFP4 bytes
+    changed = {q.quantized_format(w.dtype) for n, w in release.items() if n.removesuffix(".weight") + ".scale" in release
+               and not torch.equal(q.quantize(q.dequantize(w, release[n.removesuffix(".weight") + ".scale"]),
+                                              q.quantized_format(w.dtype))[0].view(torch.uint8), w.view(torch.uint8))}
+    assert changed == {"fp8", "mxfp4"}
+
+    assert main(["import", str(tmp_path / "release"), str(tmp_path / "megatron"), "--dtype", "bfloat16"]) == 0
+    assert main(["export", str(tmp_path / "megatron"), str(tmp_path / "exported"), "--format", "native",
+                 "--quantize", "fp8"]) == 0
+    exported = {k: v for f in sorted((tmp_path / "exported").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported.keys() == release.keys()
+    for name, tensor in release.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name].view(torch.uint8),
+                                                                    tensor.view(torch.uint8)), name
