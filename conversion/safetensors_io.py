@@ -1,7 +1,9 @@
 """Hugging Face checkpoints on disk: a lazy reader and an atomic sharded writer.
 
 The reader opens `model.safetensors` or the shards listed by `model.safetensors.index.json` and
-reads one tensor at a time; shapes and dtypes come from the headers without reading data.
+reads one tensor at a time; shapes and dtypes come from the headers without reading data. It reads
+into fresh memory rather than memory-mapping the files: pages of a mapping count in the process's
+resident memory until the file is closed, so a streamed conversion would show the whole checkpoint.
 The writer fills shards up to a size bound, writes them into a temporary folder beside the target
 and renames it into place only when everything succeeded, so a failure leaves nothing behind.
 """
@@ -9,7 +11,9 @@ and renames it into place only when everything succeeded, so a failure leaves no
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import math
 import os
 import shutil
 import struct
@@ -18,8 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,6 +32,15 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
 }
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype is not None}
+
+
+def _entry_length(name: str, data: torch.Tensor, offset: int) -> int:
+    """Bytes of a tensor's entry in a compact safetensors header, with the comma before it."""
+    entry = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
+    return len(json.dumps({name: entry}, separators=(",", ":"))) - 1
 
 
 class CheckpointError(ValueError):
@@ -43,8 +54,10 @@ class TensorInfo:
         self.file, self.shape, self.dtype = file, shape, dtype
 
 
-def _read_header(path: Path) -> dict:
-    """Parse and validate a safetensors header: every tensor's byte range must lie inside the file."""
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse and validate a safetensors header: every tensor's byte range must lie inside the file.
+
+    Returns the header and the file offset of the data section."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -68,7 +81,7 @@ def _read_header(path: Path) -> dict:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name} ends at byte {end} of a {data_size}-byte data section"
             )
-    return header
+    return header, 8 + header_length
 
 
 class CheckpointReader:
@@ -79,8 +92,10 @@ class CheckpointReader:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder} is not a folder")
         self.tensors: dict[str, TensorInfo] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # name -> (file offset, bytes)
         for file in self._files():
-            for name, entry in _read_header(file).items():
+            header, data_start = _read_header(file)
+            for name, entry in header.items():
                 if name == "__metadata__":
                     continue
                 dtype = _DTYPES.get(entry["dtype"])
@@ -89,7 +104,9 @@ class CheckpointReader:
                 if name in self.tensors:
                     raise CheckpointError(f"{self.folder}: tensor {name} appears in both {self.tensors[name].file.name} and {file.name}")
                 self.tensors[name] = TensorInfo(file, tuple(entry["shape"]), dtype)
-        self._handles: dict[Path, object] = {}
+                begin, end = entry["data_offsets"]
+                self._spans[name] = (data_start + begin, end - begin)
+        self._handles: dict[Path, io.RawIOBase] = {}
 
     def _files(self) -> list[Path]:
         index = self.folder / INDEX_FILE
@@ -115,16 +132,30 @@ class CheckpointReader:
         return self.tensors[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor; the file is memory-mapped, not loaded)."""
-        file = self.tensors[name].file
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt", device="cpu")
-        try:
-            return self._handles[file].get_tensor(name)
-        except Exception as error:  # safetensors raises its own error types
-            raise CheckpointError(f"{file}: cannot read tensor {name}: {error}") from None
+        """Read one tensor into a fresh CPU tensor."""
+        info = self.tensors[name]
+        offset, size = self._spans[name]
+        expected = math.prod(info.shape) * info.dtype.itemsize
+        if size != expected:
+            raise CheckpointError(f"{info.file}: cannot read tensor {name}: it has {size} bytes, its shape "
+                                  f"{list(info.shape)} and dtype {info.dtype} need {expected}")
+        if info.file not in self._handles:
+            self._handles[info.file] = open(info.file, "rb", buffering=0)
+        handle = self._handles[info.file]
+        data = torch.empty(size, dtype=torch.uint8)
+        buffer = memoryview(data.numpy())
+        handle.seek(offset)
+        done = 0
+        while done < size:  # one read returns at most ~2 GiB on Linux
+            count = handle.readinto(buffer[done:])
+            if not count:
+                raise CheckpointError(f"{info.file}: cannot read tensor {name}: the file ends early")
+            done += count
+        return data.view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
         self._handles.clear()
 
 
@@ -135,13 +166,22 @@ class ShardedWriter:
             for name, tensor in tensors:
                 writer.add(name, tensor)
             writer.copy_file(src_dir / "config.json")
+
+    Streams: each tensor's bytes go to its shard file when it is added, so memory stays one tensor,
+    not one shard. A safetensors header (every tensor's offsets) comes before the data, so each shard
+    reserves `HEADER_BYTES` for it and pads the JSON with spaces, as the format allows; a shard whose
+    header would outgrow that is closed early.
     """
+
+    HEADER_BYTES = 64 * 1024
 
     def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
         self.folder = Path(folder)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._file: io.BufferedWriter | None = None
+        self._header: dict[str, dict] = {}
+        self._header_length = 0
+        self._shard_bytes = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
 
@@ -151,12 +191,24 @@ class ShardedWriter:
         return self
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
         # contiguous copy: the caller's tensor may be a view into a larger (e.g. gathered) buffer
-        self._pending[name] = tensor.detach().to("cpu").contiguous()
-        self._pending_bytes += size
+        data = tensor.detach().to("cpu").contiguous()
+        if data.dtype not in _DTYPE_NAMES:
+            raise CheckpointError(f"tensor {name}: safetensors has no dtype {data.dtype}")
+        size = data.nbytes
+        if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes
+                                       or self._header_length + _entry_length(name, data, self._shard_bytes) > self.HEADER_BYTES):
+            self._close_shard()
+        if self._file is None:
+            self._open_shard()
+        entry_length = _entry_length(name, data, self._shard_bytes)
+        if self._header_length + entry_length > self.HEADER_BYTES:
+            raise CheckpointError(f"tensor {name}: its header entry is {entry_length} bytes, more than a shard header holds")
+        self._header[name] = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape),
+                              "data_offsets": [self._shard_bytes, self._shard_bytes + size]}
+        self._header_length += entry_length
+        self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self._shard_bytes += size
         self.total_bytes += size
 
     def copy_file(self, source: Path) -> None:
@@ -165,19 +217,33 @@ class ShardedWriter:
     def write_json(self, name: str, content: dict) -> None:
         (self.staging / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
-    def _flush(self) -> None:
-        save_file(self._pending, self.staging / f"shard-{len(self._shards)}.tmp", metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def _open_shard(self) -> None:
+        self._file = open(self.staging / f"shard-{len(self._shards)}.tmp", "wb")
+        self._file.seek(8 + self.HEADER_BYTES)
+        self._header = {"__metadata__": {"format": "pt"}}
+        self._header_length = len(json.dumps(self._header, separators=(",", ":")))
+        self._shard_bytes = 0
+
+    def _close_shard(self) -> None:
+        header = json.dumps(self._header, separators=(",", ":")).encode()
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self.HEADER_BYTES) + header.ljust(self.HEADER_BYTES, b" "))
+        self._file.close()
+        self._file = None
+        self._shards.append([name for name in self._header if name != "__metadata__"])
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             try:
-                if self._pending or not self._shards:
-                    self._flush()
+                if self._file is None and not self._shards:
+                    self._open_shard()  # no tensors: still one (empty) checkpoint file
+                if self._file is not None:
+                    self._close_shard()
                 self._finalise_shard_names()
             except BaseException as error:  # the staging folder goes, the error propagates
-                return self._stage.__exit__(type(error), error, error.__traceback__)
+                exc_type, exc, tb = type(error), error, error.__traceback__
+        if self._file is not None:  # an error left a shard open
+            self._file.close()
         return self._stage.__exit__(exc_type, exc, tb)
 
     def _finalise_shard_names(self) -> None:
