@@ -23,8 +23,9 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
 
-from conversion import megatron_ckpt  # noqa: E402
+from conversion import engine, megatron_ckpt  # noqa: E402
 from conversion.mapping import MappingError  # noqa: E402
+from conversion.native import keep_source_scales  # noqa: E402
 from conversion.safetensors_io import CheckpointError  # noqa: E402
 from modelzoo import runtime  # noqa: E402
 from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
@@ -54,14 +55,19 @@ def _refuse_existing(path: Path) -> None:
 # --- import / export ----------------------------------------------------------------------------
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None) -> int:
     with runtime.parallel(tp=tp, ep=ep):
-        # every weight is loaded right after: random initialisation would be wasted time
-        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], perform_initialization=False)
-        model = provider.provide()
-        provider.load_hf_weights(model, naming=naming)
-        side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
-        metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep}
-        megatron_ckpt.save(model, out_dir, metadata, side_files)
-        return sum(t.numel() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
+        # streamed: the model is never built, each tensor is read, sharded and written in turn
+        skeleton = provider.provide_skeleton()
+        reader = provider.checkpoint_reader(Path(hf_dir), naming)
+        try:
+            weights = engine.hf_weights(skeleton, provider.mapping(), reader)
+            side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
+            metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep}
+            megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights,
+                               write_hf_side=lambda folder: keep_source_scales(reader, folder))
+        finally:
+            reader.close()
+        return sum(t.numel() for t in engine.megatron_tensors(skeleton).values())
 
 
 def cmd_import(args) -> int:
@@ -85,10 +91,10 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], perform_initialization=False)
-        model = provider.provide()
-        megatron_ckpt.load(model, megatron_dir)
-        return provider.save_checkpoint(model, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
+        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
+        # streamed: the model is never built, its tensors are read a bounded group at a time
+        weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)
+        return provider.save_checkpoint(weights, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
 
 
 def cmd_export(args) -> int:

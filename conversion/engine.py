@@ -7,7 +7,7 @@ from the parameters' own attributes (Megatron's `tensor_model_parallel`, `partit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,18 @@ def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in model.state_dict(keep_vars=True).items()
         if not name.endswith("_extra_state") and not getattr(tensor, "is_lora_adapter", False)
     }
+
+
+# the parameter attributes ShardLayout reads
+LAYOUT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "expert_parallel")
+
+
+def with_layout_of(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`tensor` carrying `param`'s parallel-layout attributes (data read apart from its parameter)."""
+    for attribute in LAYOUT_ATTRIBUTES:
+        if hasattr(param, attribute):
+            setattr(tensor, attribute, getattr(param, attribute))
+    return tensor
 
 
 class ShardLayout:
@@ -112,31 +124,46 @@ def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: Checkp
             )
 
 
+def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> torch.Tensor:
+    """This rank's shard of Megatron tensor `name`, made from the checkpoint; `target` (the parameter,
+    real or on the meta device) gives its shape and parallel layout. The source dtype is kept."""
+    rule, indices = table.for_megatron(name)
+    layout = ShardLayout(target)
+    sources = [reader.get(hf_name) for hf_name in rule.hf_names(indices)]
+    return layout.shard(rule.transform.to_megatron(sources, layout.full_shape(target), layout.tp_size))
+
+
 def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader, progress: bool = True) -> None:
     """Copy a checkpoint into `model`, this rank's shard of each tensor, one tensor at a time."""
     check_checkpoint(model, table, reader)
     tensors = megatron_tensors(model)
     show = progress and megatron_ckpt.rank() == 0
     for name, target in tqdm(tensors.items(), desc="load", unit="tensor", disable=not show, leave=False):
-        rule, indices = table.for_megatron(name)
-        layout = ShardLayout(target)
-        sources = [reader.get(hf_name) for hf_name in rule.hf_names(indices)]
-        full = rule.transform.to_megatron(sources, layout.full_shape(target), layout.tp_size)
         with torch.no_grad():
-            target.copy_(layout.shard(full))
-        del sources, full  # before the next read: peak memory is one tensor, not two
+            target.copy_(hf_shard(name, target, table, reader))
 
 
-def export_hf_weights(model: torch.nn.Module, table: MappingTable,
+def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> Callable[[str], torch.Tensor]:
+    """`weights(name)`: this rank's shard of each tensor of `model` (built on the meta device), made from
+    the checkpoint when asked for (`megatron_ckpt.save(..., weights=...)`); names and shapes checked first."""
+    check_checkpoint(model, table, reader)
+    tensors = megatron_tensors(model)
+    return lambda name: hf_shard(name, tensors[name], table, reader)
+
+
+def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], table: MappingTable,
                       edit: Callable[[str, Rule, list[torch.Tensor]], list[torch.Tensor]] | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
-    Streams: at most one Megatron tensor is gathered at a time. Every rank must iterate (the gathers
-    are collective); all ranks receive the same tensors. `edit(megatron_name, rule, hf_tensors)` may
-    replace a tensor's HF tensors before they are yielded (LoRA's merged export).
+    `model`: a Megatron model, or its `(name, local tensor)` pairs read from a checkpoint
+    (`megatron_ckpt.stream_weights`). Streams: at most one Megatron tensor is gathered at a time. Every
+    rank must iterate (the gathers are collective); all ranks receive the same tensors.
+    `edit(megatron_name, rule, hf_tensors)` may replace a tensor's HF tensors before they are yielded
+    (LoRA's merged export).
     """
-    for name, tensor in megatron_tensors(model).items():
+    tensors = megatron_tensors(model).items() if isinstance(model, torch.nn.Module) else model
+    for name, tensor in tensors:
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
         hf_tensors = rule.transform.to_hf(layout.gather(tensor), layout.tp_size)

@@ -8,14 +8,16 @@
 
 torch_dist stores each tensor with its global shape and this rank's slice, so a checkpoint written
 at one TP size loads at any other. Saving is atomic: everything goes into a staging folder that is
-renamed into place once every rank has finished.
+renamed into place once every rank has finished. Conversion streams both ways (torch_dist_streaming.py):
+`save` of a model built on the meta device makes each tensor when it is written, and `stream_weights`
+reads a checkpoint back a bounded group of tensors at a time.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,8 +48,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_side_files: Callable[[Path], None]) -> None:
-    """Collective: `dist_checkpointing.save(state)` into `folder/state_dir`, atomically.
+def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_side_files: Callable[[Path], None],
+                       sharded_strategy=None) -> None:
+    """Collective: `dist_checkpointing.save(state, sharded_strategy=...)` into `folder/state_dir`, atomically.
 
     Everything is written into a staging folder beside `folder`; once every rank has saved its shards,
     rank 0 calls `write_side_files(staging)` and renames the staging folder into place. On any error the
@@ -69,7 +72,7 @@ def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_si
         if rank() == 0:
             (staging / state_dir).mkdir()
         _barrier()
-        dist_checkpointing.save(state, str(staging / state_dir))
+        dist_checkpointing.save(state, str(staging / state_dir), sharded_strategy=sharded_strategy)
         _barrier()
         if rank() == 0:
             write_side_files(staging)
@@ -81,18 +84,37 @@ def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_si
         raise
 
 
-def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: list[Path] = ()) -> None:
-    """Collective: write `model` (every rank its shard) plus metadata and HF side files, atomically."""
+def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: list[Path] = (),
+         weights: Callable[[str], torch.Tensor] | None = None, progress: bool = True,
+         write_hf_side: Callable[[Path], None] | None = None) -> None:
+    """Collective: write `model` (every rank its shard) plus metadata and HF side files, atomically.
+
+    `hf_files` are copied into the checkpoint's hf/ folder; `write_hf_side(folder)` (rank 0) adds what
+    else the export will need from the source there (e.g. a quantised source's kept scales).
+
+    The writer takes one tensor at a time. `weights`: for a model built on the meta device
+    (`provider.provide_skeleton()`), `weights(name)` makes this rank's tensor `name` when the writer
+    reaches it, so memory stays near one tensor, not the model.
+    """
+    from conversion.torch_dist_streaming import ParameterData, streaming_save_strategy
 
     def write_side_files(staging: Path) -> None:
         (staging / TRACKER_FILE).write_text(RELEASE)
         (staging / HF_SUBDIR).mkdir()
         for file in hf_files:
             shutil.copy2(file, staging / HF_SUBDIR / file.name)
+        if write_hf_side is not None:
+            write_hf_side(staging / HF_SUBDIR)
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
 
     state = {"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0}
-    save_sharded_state(state, folder, RELEASE, write_side_files)
+    params = {name: t for name, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+    data = ParameterData(params, weights, progress and rank() == 0) if weights is not None else None
+    try:
+        save_sharded_state(state, folder, RELEASE, write_side_files, streaming_save_strategy(data))
+    finally:
+        if data is not None:
+            data.close()
 
 
 def read_metadata(folder: str | Path) -> dict:
@@ -112,3 +134,32 @@ def load(model: torch.nn.Module, folder: str | Path) -> None:
     iteration = (folder / TRACKER_FILE).read_text().strip()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder / iteration))
     model.load_state_dict(state["model"], strict=True)
+
+
+def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int = 256 * 2**20,
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: `(name, this rank's tensor)` for every tensor of `model` (built on the meta device:
+    `provider.provide_skeleton()`) read from a checkpoint written by `save` at any TP / EP size.
+
+    Reads consecutive tensors in groups of at most `group_bytes` (a larger tensor alone), so memory stays
+    near one group. Each tensor carries its parameter's parallel attributes, so it can stand in for the
+    model in `engine.export_hf_weights`. Every rank must iterate to the end (the reads are collective).
+    """
+    from conversion.engine import megatron_tensors, with_layout_of
+    from conversion.torch_dist_streaming import load_groups
+
+    folder = Path(folder)
+    read_metadata(folder)
+    iteration = (folder / TRACKER_FILE).read_text().strip()
+    params = megatron_tensors(model)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, param in params.items():
+        nbytes = param.numel() * param.element_size()
+        if groups[-1] and size + nbytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    for name, tensor in load_groups(model.sharded_state_dict(), params, groups, str(folder / iteration)):
+        yield name, with_layout_of(tensor, params[name])

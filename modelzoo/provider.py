@@ -141,6 +141,15 @@ class ModelProvider:
         # Float16Module; we cast here so that every floating tensor has the dtype asked for.
         return model.to(device=runtime.device(), dtype=self.params_dtype)
 
+    def provide_skeleton(self) -> torch.nn.Module:
+        """The module of `provide()` on the meta device: names, shapes, dtypes, parallel layout and sharded
+        state dict, no memory and no initialisation. What streaming conversion builds instead of the model."""
+        config = self.transformer_config()
+        # no device argument in Megatron's parameter constructors, so torch.device("meta") places them all
+        config.use_cpu_initialization, config.perform_initialization = True, False
+        with torch.device("meta"):
+            return self.build_model(config).to(dtype=self.params_dtype)
+
     def checkpoint_reader(self, folder: Path, naming: str | None = None):
         """How this architecture reads a checkpoint folder; one with a native release format overrides it."""
         if naming not in (None, "hf"):
@@ -159,8 +168,11 @@ class ModelProvider:
         finally:
             reader.close()
 
-    def export_hf_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream `(hf_name, full tensor)`; every TP rank must iterate (gathers are collective)."""
+    def export_hf_weights(self, model) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream `(hf_name, full tensor)`; every TP rank must iterate (gathers are collective).
+
+        `model` (here and in `save_hf`, `save_checkpoint`): the Megatron model, or its tensors streamed
+        from a Megatron checkpoint (`megatron_ckpt.stream_weights`)."""
         return engine.export_hf_weights(model, self.mapping())
 
     def save_hf(self, model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,

@@ -1,0 +1,122 @@
+"""Streaming conversion (conversion/torch_dist_streaming.py): Megatron's exact torch_dist files, memory of a
+few tensors, not of the model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from conversion import engine, megatron_ckpt
+from conversion.safetensors_io import CheckpointReader, ShardedWriter
+from modelzoo import runtime
+from modelzoo.registry import build_provider
+from conftest import ROOT, TINY
+
+# LoopCoder-shaped, bf16, 16 layers: ~140 MB in 5 shards; the largest tensor (embedding, output) is 8 MB
+CONFIG = {
+    "architectures": ["IQuestLoopCoderForCausalLM"], "model_type": "iquestloopcoder", "vocab_size": 8192,
+    "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "loop_num": 2, "loop_window_size": 64, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+MiB = 2**20
+
+# In a fresh process: convert the shipped tiny checkpoint first (imports, lazy module loading and
+# allocator set-up happen there), then report the peak RSS the measured conversion adds.
+CHILD = """
+import resource, sys, torch
+from pathlib import Path
+from conversion import engine, megatron_ckpt
+from modelzoo import runtime
+from modelzoo.registry import build_provider
+
+def import_hf(source, out):
+    provider = build_provider(source, params_dtype=torch.bfloat16)
+    skeleton = provider.provide_skeleton()
+    reader = provider.checkpoint_reader(Path(source))
+    megatron_ckpt.save(skeleton, out, {"dtype": "bfloat16"}, [Path(source) / "config.json"],
+                       weights=engine.hf_weights(skeleton, provider.mapping(), reader), progress=False)
+
+def export_hf(source, out, group_bytes):
+    provider = build_provider(Path(source) / "hf", params_dtype=torch.bfloat16)
+    weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), source, group_bytes=group_bytes)
+    provider.save_hf(weights, out, max_shard_bytes=group_bytes, source_dir=Path(source) / "hf")
+
+if __name__ == "__main__":
+    tiny, work, group_bytes = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    with runtime.parallel():
+        import_hf(tiny, work / "warm-megatron")
+        export_hf(work / "warm-megatron", work / "warm-hf", group_bytes)
+        for step, run in (("import", lambda: import_hf(work / "hf", work / "megatron")),
+                          ("export", lambda: export_hf(work / "megatron", work / "exported", group_bytes))):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            run()
+            print(step, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory, make_tiny) -> tuple[Path, int, int]:
+    """(folder, total bytes, largest tensor bytes) of a multi-shard LoopCoder-shaped bf16 checkpoint."""
+    folder = tmp_path_factory.mktemp("streaming") / "hf"
+    generator = torch.Generator().manual_seed(0)
+    largest = 0
+    with ShardedWriter(folder, max_shard_bytes=32 * MiB) as writer:
+        for name, shape in sorted(make_tiny.loopcoder_shapes(CONFIG).items()):
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+            largest = max(largest, tensor.nbytes)
+            writer.add(name, tensor)
+        writer.write_json("config.json", CONFIG)
+    return folder, writer.total_bytes, largest
+
+
+def test_import_and_export_memory_is_a_few_tensors_not_the_model(synthetic):
+    folder, total, largest = synthetic
+    group_bytes = 16 * MiB
+    done = subprocess.run([sys.executable, "-c", CHILD, str(TINY / "loopcoder-tiny"), str(folder.parent), str(group_bytes)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    added = dict(line.split() for line in done.stdout.splitlines() if line.startswith(("import ", "export ")))
+    # import holds a tensor's sources, its Megatron form and the piece being written; export one group
+    # of tensors, one gathered and converted tensor and one being written. Slack: allocator, DCP metadata.
+    import_bound = 3 * largest + 24 * MiB
+    export_bound = group_bytes + 3 * largest + 24 * MiB
+    assert total > 2 * export_bound, "the checkpoint must be large enough for the bounds to mean streaming"
+    assert int(added["import"]) <= import_bound, (int(added["import"]) / MiB, import_bound / MiB)
+    assert int(added["export"]) <= export_bound, (int(added["export"]) / MiB, export_bound / MiB)
+    original, exported = CheckpointReader(folder), CheckpointReader(folder.parent / "exported")
+    assert sorted(exported.names()) == sorted(original.names())
+    assert all(torch.equal(exported.get(name), original.get(name)) for name in original.names())
+
+
+def test_streamed_import_writes_the_files_megatron_writes(tmp_path):
+    """Same DCP metadata and byte-identical data file as dist_checkpointing.save of the loaded model."""
+    from megatron.core import dist_checkpointing
+
+    source = TINY / "loopcoder-tiny"
+    with runtime.parallel():
+        provider = build_provider(source, perform_initialization=False)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        reference = tmp_path / "reference"
+        reference.mkdir()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0},
+                                str(reference))
+        skeleton = provider.provide_skeleton()
+        reader = provider.checkpoint_reader(source)
+        megatron_ckpt.save(skeleton, tmp_path / "streamed", {}, [], progress=False,
+                           weights=engine.hf_weights(skeleton, provider.mapping(), reader))
+    streamed = tmp_path / "streamed" / megatron_ckpt.RELEASE
+    assert sorted(p.name for p in streamed.iterdir()) == sorted(p.name for p in reference.iterdir())
+    assert json.loads((streamed / "metadata.json").read_text()) == json.loads((reference / "metadata.json").read_text())
+    ours, megatrons = FileSystemReader(str(streamed)).read_metadata(), FileSystemReader(str(reference)).read_metadata()
+    assert ours.state_dict_metadata == megatrons.state_dict_metadata
+    assert ours.storage_data == megatrons.storage_data
+    assert ours.all_local_plans == megatrons.all_local_plans
+    for data_file in reference.glob("*.distcp"):
+        assert (streamed / data_file.name).read_bytes() == data_file.read_bytes()
