@@ -107,6 +107,12 @@ class ModelProvider:
     def transformer_config(self):
         from megatron.core.transformer import TransformerConfig
 
+        fields = self.transformer_config_kwargs(**_parallel_sizes())
+        self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"])
+        return TransformerConfig(**fields)
+
+    def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
+        """The TransformerConfig fields: generic ones, `parallel_sizes`, the architecture's, then the overrides."""
         fields = dict(
             params_dtype=self.params_dtype,
             bf16=self.params_dtype == torch.bfloat16,
@@ -114,12 +120,11 @@ class ModelProvider:
             use_cpu_initialization=not torch.cuda.is_available(),
             hidden_dropout=0.0,
             attention_dropout=0.0,
-            **_parallel_sizes(),
+            **parallel_sizes,
         )
         fields.update(self.transformer_config_fields())
         fields.update(self.config_overrides)
-        self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"])
-        return TransformerConfig(**fields)
+        return fields
 
     def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
         """Refuse a layout that does not split this model evenly (before any work starts)."""
@@ -134,12 +139,17 @@ class ModelProvider:
         if ep != 1 and not self.has_experts:
             raise ValueError(f"expert parallel size {ep}: this {self.name} model has no experts to split")
 
-    def provide(self) -> torch.nn.Module:
-        """The Megatron module for the current parallel state, on the current device."""
-        model = self.build_model(self.transformer_config())
+    def provide(self, config=None) -> torch.nn.Module:
+        """The Megatron module for the current parallel state, on the current device.
+
+        `config`: the TransformerConfig to build with, default `transformer_config()`; a trainer that
+        owns the config (Megatron-Bridge's provider) passes its own, made from `transformer_config_kwargs`.
+        """
+        config = config if config is not None else self.transformer_config()
+        model = self.build_model(config)
         # Megatron builds some modules (norms) in fp32 and leaves the cast to Megatron-LM's
         # Float16Module; we cast here so that every floating tensor has the dtype asked for.
-        return model.to(device=runtime.device(), dtype=self.params_dtype)
+        return model.to(device=runtime.device(), dtype=config.params_dtype)
 
     def provide_skeleton(self) -> torch.nn.Module:
         """The module of `provide()` on the meta device: names, shapes, dtypes, parallel layout and sharded
