@@ -1,0 +1,197 @@
+"""Megatron-Bridge integration: `AutoBridge` finds modelzoo's LoopCoder and DeepSeek-V4.
+
+    import modelzoo.integrations.megatron_bridge            # registers the bridges (the only import needed)
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    provider = bridge.to_megatron_provider()                 # a ModelzooModelProvider
+    provider.tensor_model_parallel_size = 2                  # a trainer's overrides, then:
+    provider.finalize()
+    provider.initialize_model_parallel(seed=0)
+    model = provider.provide_distributed_model(wrap_with_ddp=False)   # weights loaded by modelzoo's engine
+    for name, tensor in bridge.export_hf_weights(model): ...
+
+The model, its TransformerConfig fields and its weights come from modelzoo (`build_provider`, the mapping tables,
+the LoRA tables), the same code as without Megatron-Bridge, so both paths give the same model bit for bit.
+Megatron-Bridge's own weight machinery (`mapping_registry`, param mappings, conversion tasks) is not used.
+
+Megatron-Bridge's own DeepSeek-V4 bridge builds Megatron-Core modules that Megatron-Core does not release yet
+(hyper-connections, compressed sparse attention, hash routing); where the installed Megatron-Core lacks them,
+ours is registered in its place and a warning says so. The core package never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import sys
+import types
+from importlib.metadata import version
+
+import torch
+
+
+def _stand_in_for_transformers_attention_mask_utils() -> None:
+    """`import megatron.bridge` (0.6.2) imports `transformers.modeling_attn_mask_utils`, which transformers removed
+    after 5.12 (we need 5.24), for the vendored HF code of its Bailing model. A stand-in whose names fail when
+    called lets the import through; nothing on our architectures' path uses them."""
+    name = "transformers.modeling_attn_mask_utils"
+    if importlib.util.find_spec(name) is not None:
+        return
+
+    def removed(*args, **kwargs):
+        raise NotImplementedError(f"{name} is not in this transformers version; Megatron-Bridge's Bailing model "
+                                  "code needs transformers<=5.12")
+
+    module = types.ModuleType(name)
+    for symbol in ("AttentionMaskConverter", "_prepare_4d_attention_mask", "_prepare_4d_causal_attention_mask",
+                   "_prepare_4d_causal_attention_mask_for_sdpa"):
+        setattr(module, symbol, removed)
+    sys.modules[name] = module
+
+
+_stand_in_for_transformers_attention_mask_utils()
+
+from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge  # noqa: E402
+from megatron.bridge.models.model_provider import ModelProviderMixin  # noqa: E402
+from megatron.bridge.models.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
+
+from modelzoo import build_provider, lora  # noqa: E402
+from modelzoo.deepseek_v4 import DeepseekV4Provider  # noqa: E402
+from modelzoo.deepseek_v4.model.model import DeepseekV4Model  # noqa: E402
+from modelzoo.loopcoder.model import LoopCoderModel  # noqa: E402
+from modelzoo.loopcoder.provider import LoopCoderProvider  # noqa: E402
+from modelzoo.provider import ModelProvider  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+# TransformerConfig fields that Megatron-Bridge's DeepSeekV4Bridge sets and that only a Megatron-Core with its
+# DeepSeek-V4 modules (hyper-connections, compressed sparse attention, grouped output projection, hash routing) has
+DEEPSEEK_V4_CORE_FIELDS = ("enable_hyper_connections", "num_residual_streams", "csa_compress_ratios", "o_groups",
+                           "moe_n_hash_layers")
+
+
+@dataclasses.dataclass
+class ModelzooModelProvider(TransformerConfig, ModelProviderMixin):
+    """Megatron-Bridge's provider contract (a TransformerConfig that builds the model) around a modelzoo provider.
+
+    Its TransformerConfig fields start as modelzoo's for the checkpoint; a trainer changes them (parallel sizes,
+    dtype, recompute) and calls `finalize()` as with any Megatron-Bridge provider. modelzoo's own options
+    (`attention="fast"`, LoopCoder's `train_gate`) are set on `modelzoo_provider`.
+    """
+
+    modelzoo_provider: ModelProvider | None = None
+
+    @classmethod
+    def wrapping(cls, modelzoo_provider: ModelProvider) -> ModelzooModelProvider:
+        return cls(modelzoo_provider=modelzoo_provider, **modelzoo_provider.transformer_config_kwargs())
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> torch.nn.Module:
+        sizes = (self.tensor_model_parallel_size, self.expert_model_parallel_size)
+        state = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_expert_model_parallel_world_size())
+        if sizes != state:
+            raise ValueError(f"the provider asks for tensor/expert parallel sizes {sizes} but Megatron's parallel "
+                             f"state has {state}: call provider.initialize_model_parallel() after setting them")
+        self.modelzoo_provider.check_parallel_layout(*sizes)
+        return self.modelzoo_provider.provide(self)
+
+
+def _modelzoo_provider(hf_config) -> ModelProvider:
+    return build_provider(hf_config.to_dict())
+
+
+def _single_model(megatron_model) -> torch.nn.Module:
+    models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+    if len(models) != 1:
+        raise ValueError(f"modelzoo models have no pipeline stages: expected one model chunk, got {len(models)}")
+    return unwrap_model(models[0])
+
+
+class ModelzooBridge(MegatronModelBridge):
+    """A Megatron-Bridge bridge whose provider and weight movement are modelzoo's."""
+
+    def provider_bridge(self, hf_pretrained) -> ModelzooModelProvider:
+        return ModelzooModelProvider.wrapping(_modelzoo_provider(hf_pretrained.config))
+
+    def mapping_registry(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} moves weights with modelzoo's mapping table, not Megatron-Bridge param "
+            "mappings: use AutoBridge.load_hf_weights / export_hf_weights / export_adapter_weights")
+
+    def load_weights_hf_to_megatron(self, hf_pretrained, megatron_model, allowed_mismatched_params=None):
+        if allowed_mismatched_params:
+            raise ValueError("modelzoo's engine loads every weight of the mapping or fails: "
+                             "allowed_mismatched_params is not supported")
+        provider = _modelzoo_provider(hf_pretrained.config)
+        provider.load_hf_weights(_single_model(megatron_model), hf_pretrained.model_name_or_path, progress=False)
+        return megatron_model
+
+    def stream_weights_megatron_to_hf(self, megatron_model, hf_pretrained, cpu=True, show_progress=True,
+                                      conversion_tasks=None, merge_adapter_weights=True, weight_dtype=None):
+        """Full tensors under HF names on every rank (collective over TP); LoRA adapters merged unless told not.
+        `show_progress` is in Megatron-Bridge's signature and has no effect here."""
+        if conversion_tasks is not None:
+            raise ValueError("modelzoo bridges build no Megatron-Bridge conversion tasks: pass conversion_tasks=None")
+        model = _single_model(megatron_model)
+        provider = _modelzoo_provider(hf_pretrained.config)
+        if merge_adapter_weights and any(True for _ in lora.lora_layers(model)):
+            tensors = lora.export_merged_hf_weights(model, provider)
+        else:
+            tensors = provider.export_hf_weights(model)
+        for name, tensor in tensors:
+            yield HFWeightTuple(name, _placed(tensor, cpu, weight_dtype))
+
+    def stream_adapter_weights_megatron_to_hf(self, megatron_model, cpu=True, show_progress=True,
+                                              exclude_adapter_base_prefixes=None):
+        """modelzoo LoRA adapters in PEFT layout (`base_model.model.<hf module>.lora_{A,B}.weight`); no progress bar."""
+        if exclude_adapter_base_prefixes:
+            raise ValueError("modelzoo bridges export every adapter: exclude_adapter_base_prefixes is not supported")
+        model = _single_model(megatron_model)
+        for name, tensor in lora.adapter_hf_weights(model, _modelzoo_provider(self.hf_config)):
+            yield HFWeightTuple(name, _placed(tensor, cpu, None))
+
+
+def _placed(tensor: torch.Tensor, cpu: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = tensor.cpu() if cpu else tensor
+    return tensor.to(dtype) if dtype is not None else tensor
+
+
+def register(bridge: type[ModelzooBridge], provider: type[ModelProvider], model: type[torch.nn.Module]) -> None:
+    """Make AutoBridge dispatch the provider's HF architecture to `bridge` (by name, replacing any earlier one)."""
+    MegatronModelBridge.register_bridge(source=provider.hf_architectures[0], target=model,
+                                        provider=ModelzooModelProvider, model_type=provider.hf_model_types[0])(bridge)
+
+
+class LoopCoderBridge(ModelzooBridge):
+    """IQuest LoopCoder (Megatron-Bridge has none)."""
+
+
+class DeepseekV4Bridge(ModelzooBridge):
+    """DeepSeek-V4, registered only where Megatron-Bridge's own cannot run (see `register_deepseek_v4`)."""
+
+
+def missing_deepseek_v4_core_fields() -> list[str]:
+    """The fields of `DEEPSEEK_V4_CORE_FIELDS` that the installed Megatron-Core's TransformerConfig lacks."""
+    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+    return [name for name in DEEPSEEK_V4_CORE_FIELDS if name not in fields]
+
+
+def register_deepseek_v4() -> bool:
+    """Register our DeepSeek-V4 bridge in place of Megatron-Bridge's when that one cannot run; True if it was."""
+    missing = missing_deepseek_v4_core_fields()
+    if not missing:
+        logger.info("Megatron-Bridge's own DeepSeek-V4 bridge can run on megatron-core %s; it stays registered",
+                    version("megatron-core"))
+        return False
+    register(DeepseekV4Bridge, DeepseekV4Provider, DeepseekV4Model)  # the name Megatron-Bridge's is registered by
+    logger.warning("Megatron-Bridge's DeepSeek-V4 bridge cannot run on megatron-core %s (its TransformerConfig has "
+                   "no %s): modelzoo's DeepSeek-V4 takes its place", version("megatron-core"), ", ".join(missing))
+    return True
+
+
+register(LoopCoderBridge, LoopCoderProvider, LoopCoderModel)
+register_deepseek_v4()
