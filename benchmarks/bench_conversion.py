@@ -4,10 +4,14 @@
 
 Makes a synthetic LoopCoder-shaped bf16 checkpoint (hidden 2048, 16 layers: ~2 GB) in several
 shards, then measures, each in its own process so peak RSS is that step's alone:
-  baseline   read every tensor with safetensors and write the same bytes into shards
+  baseline   read every tensor with safetensors and write the same bytes into shards with safetensors
   import     modelzoo import  HF -> Megatron torch_dist (bf16, TP 1)
   export     modelzoo export  Megatron -> HF
-Prints wall time, peak RSS above the process's start, and ratios to the baseline; writes JSON.
+twice: "in process" times the conversion alone, in a process that has imported its libraries and
+converted the shipped tiny LoopCoder checkpoint first (library imports, lazy module loading and process
+start-up are a fixed cost that does not grow with the checkpoint); "CLI" times the whole command from the
+child's start. Each timed step starts after `sync` (no dirty pages left by an earlier step); peak RSS
+is the step's own peak (VmHWM reset) above the RSS at its start. Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -29,26 +33,103 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
-# Run in a child process: report its own wall time and peak RSS above what it had at start.
-MEASURE = """
-import resource, sys, time, runpy
-start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-start = time.perf_counter()
+# In each child: every measured step starts with no dirty pages (the kernel throttles a writer once
+# too many pile up, so a step run after another's writes would be slowed by them) and with the peak
+# RSS reset; it reports wall time and peak RSS above the RSS it started with.
+MEASURING = """
+import os, time
+
+
+def _rss_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def start():
+    os.sync()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets the peak RSS (VmHWM) to the current RSS
+    return time.perf_counter(), _rss_kib("VmRSS")
+
+
+def report(started):
+    seconds, start_kib = time.perf_counter() - started[0], started[1]
+    print("MEASURED", seconds, start_kib, _rss_kib("VmHWM"))
+"""
+
+# The whole command, timed from the child's start.
+MEASURE = MEASURING + """
+import runpy, sys
+started = start()
 sys.argv = {argv!r}
 try:
     {run}
 except SystemExit as exit:
     assert not exit.code, exit.code
-print("MEASURED", time.perf_counter() - start, start_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+report(started)
+"""
+
+# The same steps as functions, run in process after a warm-up on the tiny checkpoint (see the docstring).
+STEPS = """
+from baseline import copy
+from conversion import cli
+
+OPTIONS = {"format": "hf", "quantize": None}
+
+
+def baseline(source, out, shard_bytes):
+    copy(source, out, shard_bytes)
+
+
+def import_(source, out, shard_bytes):
+    cli._import_rank(0, source, out, 1, 1, "bfloat16", None)
+
+
+def export(source, out, shard_bytes):
+    cli._export_rank(0, source, out, 1, 1, shard_bytes, OPTIONS)
+"""
+
+WARM_AND_MEASURE = MEASURING + """
+from steps import baseline, export, import_
+
+if __name__ == "__main__":
+    warm = {warm!r}
+    import_({tiny!r}, warm + "/megatron", 2**30)
+    export(warm + "/megatron", warm + "/hf", 2**30)
+    baseline({tiny!r}, warm + "/copy", 2**30)
+    started = start()
+    {step}(*{args!r})
+    report(started)
 """
 
 BASELINE = """
 import sys
-from conversion.safetensors_io import CheckpointReader, ShardedWriter
-reader = CheckpointReader(sys.argv[1])
-with ShardedWriter(sys.argv[2], max_shard_bytes=int(sys.argv[3])) as writer:
-    for name in reader.names():
-        writer.add(name, reader.get(name))
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def copy(source, target, shard_bytes):
+    # shards laid out as `ShardedWriter` does: in order, a shard closed before it would exceed shard_bytes
+    source, target = Path(source), Path(target)
+    target.mkdir()
+    files = sorted(source.glob("*.safetensors"))
+    shard, size, count = {}, 0, 0
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                if shard and size + tensor.nbytes > shard_bytes:
+                    save_file(shard, target / f"shard-{count}.safetensors", metadata={"format": "pt"})
+                    shard, size, count = {}, 0, count + 1
+                shard[name] = tensor
+                size += tensor.nbytes
+    save_file(shard, target / f"shard-{count}.safetensors", metadata={"format": "pt"})
+
+
+if __name__ == "__main__":
+    copy(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 """
 
 
@@ -68,9 +149,7 @@ def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
     return writer.total_bytes
 
 
-def measure(label: str, run: str, argv: list[str]) -> dict:
-    """`run`: the statement that runs the step (runpy of a module or a script) with `sys.argv = argv`."""
-    code = MEASURE.format(argv=argv, run=run)
+def measure(label: str, code: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-3000:]}")
@@ -89,24 +168,44 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
     source = work / "hf"
     size = make_checkpoint(source, args.layers, args.shard_bytes)
-    baseline_script = work / "baseline.py"
-    baseline_script.write_text(BASELINE)
+    (work / "baseline.py").write_text(BASELINE)
+    (work / "steps.py").write_text(STEPS)
+    tiny = str(ROOT / "tiny_checkpoints" / "loopcoder-tiny")
 
-    cli = 'runpy.run_module("conversion.cli", run_name="__main__")'
-    results = [
-        measure("baseline read+write", f"runpy.run_path({str(baseline_script)!r}, run_name='__main__')",
-                [str(baseline_script), str(source), str(work / "copy"), str(args.shard_bytes)]),
-        measure("modelzoo import", cli, ["modelzoo", "import", str(source), str(work / "megatron"), "--dtype", "bfloat16"]),
-        measure("modelzoo export", cli, ["modelzoo", "export", str(work / "megatron"), str(work / "exported"),
-                                         "--max-shard-bytes", str(args.shard_bytes)]),
-    ]
-    baseline = results[0]
+    def in_process(label: str, step: str, source_dir: Path, out_name: str) -> dict:
+        warm = work / f"warm-{out_name}"
+        warm.mkdir()
+        code = f"import sys; sys.path.insert(0, {str(work)!r})\n" + WARM_AND_MEASURE.format(
+            warm=str(warm), tiny=tiny, step=step, args=(str(source_dir), str(work / out_name), args.shard_bytes))
+        return measure(label, code)
+
+    def cli(label: str, argv: list[str]) -> dict:
+        return measure(label, MEASURE.format(argv=argv, run='runpy.run_module("conversion.cli", run_name="__main__")'))
+
+    baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
+                                  run=f"runpy.run_path({str(work / 'baseline.py')!r}, run_name='__main__')")
+    groups = {
+        "in process": [
+            in_process("baseline read+write", "baseline", source, "copy"),
+            in_process("modelzoo import", "import_", source, "megatron"),
+            in_process("modelzoo export", "export", work / "megatron", "exported"),
+        ],
+        "CLI": [
+            measure("baseline read+write", baseline_cli),
+            cli("modelzoo import", ["modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"]),
+            cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
+                                    "--max-shard-bytes", str(args.shard_bytes)]),
+        ],
+    }
     print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")
-    print(f"{'step':<22}{'seconds':>9}{'x baseline':>12}{'peak RSS GiB':>14}")
-    for row in results:
-        row["time_vs_baseline"] = row["seconds"] / baseline["seconds"]
-        print(f"{row['step']:<22}{row['seconds']:>9.1f}{row['time_vs_baseline']:>12.2f}{row['peak_rss_above_start_gib']:>14.2f}")
-    Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "results": results}, indent=2))
+    for timing, results in groups.items():
+        print(f"\n{timing}\n{'step':<22}{'seconds':>9}{'x baseline':>12}{'peak RSS GiB':>14}")
+        for row in results:
+            row["time_vs_baseline"] = row["seconds"] / results[0]["seconds"]
+            print(f"{row['step']:<22}{row['seconds']:>9.1f}{row['time_vs_baseline']:>12.2f}"
+                  f"{row['peak_rss_above_start_gib']:>14.2f}")
+    Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
+                                          "results": groups}, indent=2))
 
 
 if __name__ == "__main__":
