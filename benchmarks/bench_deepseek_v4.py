@@ -1,14 +1,16 @@
 """DeepSeek-V4 training step on one GPU: our Megatron model against transformers' eager implementation.
 
-    python benchmarks/bench_deepseek_v4.py [--out results.json] [--steps 5] [--profile]
+    python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--out results.json] [--steps 5]
+    python benchmarks/bench_deepseek_v4.py --profile     # top CUDA / CPU ops of our fast model instead
 
-The config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x 256,
-16 experts top-4, hc_mult 4, window 128, compress ratios 4 / 128, index top-k 512; bf16, forward +
-backward of the mean token loss, batch 1 x 4096. Both models get the same random weights (our tiny
-checkpoint generator at this config). MFU counts the matmul parameters a token goes through
-(attention projections, the active experts and the shared expert, the head) x 6, plus attention over
-the window and the visible compressed entries x 3 (forward + backward); compressor, indexer and
-hyper-connection matmuls are left out, so it is a lower bound.
+`small`, the config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x
+256, 16 experts top-4, hc_mult 4. `large`, about 1B active parameters: hidden 2048, 12 layers, 16 heads x
+512, 32 experts top-6 (+1 shared) of 1024. Both at release attention ratios (window 128, compress ratios
+4 / 128, index top-k 512); bf16, forward + backward of the mean token loss, batch 1 x `--seq`. Both models
+get the same random weights (our tiny checkpoint generator at this config). MFU counts the matmul
+parameters a token goes through (attention projections, the active experts and the shared expert, the
+head) x 6, plus attention over the window and the visible compressed entries x 3 (forward + backward);
+compressor, indexer and hyper-connection matmuls are left out, so it is a lower bound.
 """
 
 from __future__ import annotations
@@ -22,40 +24,53 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import matmul_peak_tflops, time_steps  # noqa: E402
+from bench_dense import hf_step, matmul_peak_tflops, megatron_step, time_steps  # noqa: E402
 
-BATCH, SEQ = 1, 4096
-CONFIG = dict(
-    vocab_size=32000, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, head_dim=256,
-    partial_rotary_factor=0.25, q_lora_rank=512, o_groups=8, o_lora_rank=256, sliding_window=128,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 2,
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-    index_n_heads=16, index_head_dim=128, index_topk=512, n_routed_experts=16, num_experts_per_tok=4,
-    moe_intermediate_size=1024, mlp_layer_types=["hash_moe"] + ["moe"] * 5, max_position_embeddings=8192,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+BATCH = 1
+RELEASE_ATTENTION = dict(
+    sliding_window=128, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    index_topk=512, max_position_embeddings=65536, num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
                      "beta_fast": 32, "beta_slow": 1},
-    num_nextn_predict_layers=0,
 )
+CONFIGS = {
+    "small": dict(
+        vocab_size=32000, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, head_dim=256,
+        partial_rotary_factor=0.25, q_lora_rank=512, o_groups=8, o_lora_rank=256,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 2,
+        index_n_heads=16, index_head_dim=128, n_routed_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=1024, mlp_layer_types=["hash_moe"] + ["moe"] * 5, **RELEASE_ATTENTION),
+    "large": dict(
+        vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, head_dim=512,
+        partial_rotary_factor=0.125, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 4,
+        index_n_heads=32, index_head_dim=128, n_routed_experts=32, num_experts_per_tok=6,
+        moe_intermediate_size=1024, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 10, **RELEASE_ATTENTION),
+}
 
 
-def step_flops(c: dict) -> float:
+def active_parameters(c: dict) -> float:
+    """Matmul parameters a token goes through: attention projections, active + shared experts, the head."""
     hidden, heads, head_dim, layers = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["num_hidden_layers"]
     attention_params = (hidden * c["q_lora_rank"] + c["q_lora_rank"] * heads * head_dim + hidden * head_dim
                         + heads * head_dim * c["o_lora_rank"] + c["o_groups"] * c["o_lora_rank"] * hidden)
     expert_params = 3 * hidden * c["moe_intermediate_size"] * (c["num_experts_per_tok"] + 1)  # + shared expert
-    tokens = BATCH * SEQ
-    dense = 6 * tokens * (layers * (attention_params + expert_params) + hidden * c["vocab_size"])
+    return layers * (attention_params + expert_params) + hidden * c["vocab_size"]
+
+
+def step_flops(c: dict, seq: int) -> float:
+    tokens = BATCH * seq
     entries = 0.0  # attended keys per query, summed over layers (mean over positions)
     for kind in c["layer_types"]:
-        window = min(c["sliding_window"], SEQ / 2)
+        window = min(c["sliding_window"], seq / 2)
         if kind == "compressed_sparse_attention":
-            entries += window + min(c["index_topk"], SEQ / c["compress_rates"][kind] / 2)
+            entries += window + min(c["index_topk"], seq / c["compress_rates"][kind] / 2)
         elif kind == "heavily_compressed_attention":
-            entries += window + SEQ / c["compress_rates"][kind] / 2
+            entries += window + seq / c["compress_rates"][kind] / 2
         else:
             entries += window
-    attention = 3 * 4 * tokens * heads * head_dim * entries
-    return dense + attention
+    attention = 3 * 4 * tokens * c["num_attention_heads"] * c["head_dim"] * entries
+    return 6 * tokens * active_parameters(c) + attention
 
 
 def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
@@ -69,10 +84,7 @@ def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
 
-        def step():
-            model.zero_grad(set_to_none=True)
-            (-provider.token_logprobs(model, ids).mean()).backward()
-
+        step = megatron_step(provider, model, ids)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -86,6 +98,8 @@ def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--out", default="bench_deepseek_v4.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true",
@@ -98,31 +112,26 @@ def main() -> None:
     from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
     from modelzoo.registry import build_provider
 
-    config = {**DEEPSEEK_V4_TINY, **CONFIG}
+    config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
     folder = Path(tempfile.mkdtemp()) / "deepseek-v4-bench"
     write_deepseek_v4_tiny(folder, config)
+    ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
+    if args.profile:
+        profile_fast_model(folder, ids)
+        return
     peak = matmul_peak_tflops()
-    ids = torch.randint(0, config["vocab_size"], (BATCH, SEQ), device="cuda")
-    flops = step_flops(config)
+    flops = step_flops(config, args.seq)
     results = []
 
     def record(name, step):
         seconds, memory = time_steps(step, args.steps)
         tflops = flops / seconds / 1e12
-        results.append({"model": name, "ms_per_step": 1e3 * seconds, "tokens_per_s": BATCH * SEQ / seconds,
+        results.append({"model": name, "ms_per_step": 1e3 * seconds, "tokens_per_s": BATCH * args.seq / seconds,
                         "tflops_lower_bound": tflops, "mfu_lower_bound": tflops / peak, "peak_memory_gib": memory})
         torch.cuda.empty_cache()
 
-    if args.profile:
-        profile_fast_model(folder, ids)
-        return
     hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
-
-    def hf_step():
-        hf.zero_grad(set_to_none=True)
-        hf(ids, labels=ids, use_cache=False).loss.backward()
-
-    record("transformers DeepseekV4 (eager)", hf_step)
+    record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
     del hf
     with runtime.parallel(tp=1):
         for attention in ("exact", "fast"):
@@ -130,22 +139,19 @@ def main() -> None:
                                       perform_initialization=False)
             model = provider.provide()
             provider.load_hf_weights(model, progress=False)
-
-            def step():
-                model.zero_grad(set_to_none=True)
-                (-provider.token_logprobs(model, ids).mean()).backward()
-
-            record(f"megatron deepseek_v4 ({attention})", step)
+            record(f"megatron deepseek_v4 ({attention})", megatron_step(provider, model, ids))
             del model
 
     baseline = results[0]
-    print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {SEQ}")
+    print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
+          f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
     print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}")
     for r in results:
         r["tokens_per_s_vs_hf"] = r["tokens_per_s"] / baseline["tokens_per_s"]
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{r['tokens_per_s_vs_hf']:>7.2f}")
-    Path(args.out).write_text(json.dumps({"peak_tflops": peak, "config": config, "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+                                          "config": config, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
