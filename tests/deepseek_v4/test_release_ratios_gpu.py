@@ -36,20 +36,26 @@ def test_fast_matches_exact_at_release_ratios_4k(tmp_path, dtype, tolerance):
     ids = torch.randint(0, 250, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
     logprobs = {}
     with runtime.parallel(), torch.no_grad():
-        exact_provider = provider_for(folder, attention="exact", params_dtype=dtype)
-        exact = exact_provider.provide()
-        exact_provider.load_hf_weights(exact, progress=False)
-        with recording_decisions(exact) as decisions:
-            logprobs["exact"] = exact_provider.token_logprobs(exact, ids).float().cpu()
-        del exact
-        fast_provider = provider_for(folder, attention="fast", params_dtype=dtype)
-        fast = fast_provider.provide()
-        fast_provider.load_hf_weights(fast, progress=False)
-        logprobs["fast, free-running"] = fast_provider.token_logprobs(fast, ids).float().cpu()
-        with replaying_decisions(fast, decisions):
-            logprobs["fast"] = fast_provider.token_logprobs(fast, ids).float().cpu()
+        runs = {}
+        for name, attention, run_dtype in (("fp32 exact", "exact", torch.float32), ("exact", "exact", dtype),
+                                           ("fast", "fast", dtype)):
+            provider = provider_for(folder, attention=attention, params_dtype=run_dtype)
+            runs[name] = provider, provider.provide()
+            provider.load_hf_weights(runs[name][1], progress=False)
+        provider, model = runs["exact"]
+        with recording_decisions(model) as decisions:
+            logprobs["exact"] = provider.token_logprobs(model, ids).float().cpu()
+        provider, model = runs["fast"]
+        logprobs["fast, free-running"] = provider.token_logprobs(model, ids).float().cpu()
+        with replaying_decisions(model, decisions):
+            logprobs["fast"] = provider.token_logprobs(model, ids).float().cpu()
+        provider, model = runs["fp32 exact"]
+        with replaying_decisions(model, decisions):
+            logprobs["fp32 exact"] = provider.token_logprobs(model, ids).float().cpu()
     free_running = max_diff(logprobs["fast, free-running"], logprobs["exact"])
     difference = max_diff(logprobs["fast"], logprobs["exact"])
+    to_fp32 = {path: max_diff(logprobs[path], logprobs["fp32 exact"]) for path in ("exact", "fast")}
     print(f"deepseek_v4 release ratios, {dtype}, 1 x 4096: fast vs exact max |logprob diff| = {difference:.3e} "
-          f"(same decisions), {free_running:.3e} (free-running)")
+          f"(same decisions), {free_running:.3e} (free-running); exact vs fp32 {to_fp32['exact']:.3e}, "
+          f"fast vs fp32 {to_fp32['fast']:.3e} (same decisions)")
     assert difference <= tolerance

@@ -4,7 +4,8 @@ One 4096-token sequence, a LoopCoder with release-like attention shapes (head_di
 loop_window_size 64), random weights and non-zero gates.
 - fp32: the kernels themselves (SDPA / flex vs eager); 1e-4 as for the CPU parity tests.
 - bf16 on both paths: 2e-2, the issue's bound. bf16 keeps 8 bits of mantissa and the paths round at
-  different places (flash/flex accumulate in fp32 and never materialise the probabilities).
+  different places (flash/flex round the probabilities to bf16 before P.V); the distance of each bf16
+  path to the fp32 model is printed beside it (docs/loopcoder.md records the figures).
 """
 
 import pytest
@@ -26,18 +27,25 @@ CONFIG = {
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_fast_path_matches_exact_path_4k(dtype, tolerance):
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
-    with runtime.parallel(tp=1, seed=0):
-        exact_provider = build_provider(CONFIG, params_dtype=dtype, attention="exact")
-        exact = exact_provider.provide()
-        for name, param in exact.named_parameters():
+    logprobs = {}
+    with runtime.parallel(tp=1, seed=0), torch.no_grad():
+        reference_provider = build_provider(CONFIG, params_dtype=torch.float32, attention="exact")
+        reference = reference_provider.provide()
+        for name, param in reference.named_parameters():
             if "loop_gate" in name:  # non-zero gates, so both attention branches matter
                 torch.nn.init.normal_(param, std=0.5)
-        fast_provider = build_provider(CONFIG, params_dtype=dtype, attention="fast")
-        fast = fast_provider.provide()
-        fast.load_state_dict(exact.state_dict())
-        with torch.no_grad():
-            exact_logprobs = exact_provider.token_logprobs(exact, ids)
-            fast_logprobs = fast_provider.token_logprobs(fast, ids)
-    difference = (exact_logprobs - fast_logprobs).abs().max().item()
-    print(f"loopcoder fast vs exact, {dtype}, 1 x 4096: max |logprob diff| = {difference:.3e}")
+        logprobs["fp32 exact"] = reference_provider.token_logprobs(reference, ids)
+        weights = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                   for k, v in reference.state_dict().items()}
+        del reference
+        for attention in ("exact", "fast"):
+            provider = build_provider(CONFIG, params_dtype=dtype, attention=attention)
+            model = provider.provide()
+            model.load_state_dict(weights)
+            logprobs[attention] = provider.token_logprobs(model, ids).float()
+            del model
+    difference = (logprobs["exact"] - logprobs["fast"]).abs().max().item()
+    to_fp32 = {path: (logprobs[path] - logprobs["fp32 exact"]).abs().max().item() for path in ("exact", "fast")}
+    print(f"loopcoder fast vs exact, {dtype}, 1 x 4096: max |logprob diff| = {difference:.3e} "
+          f"(exact vs fp32 {to_fp32['exact']:.3e}, fast vs fp32 {to_fp32['fast']:.3e})")
     assert difference <= tolerance
