@@ -20,8 +20,20 @@ if importlib.util.find_spec("megatron.bridge") is None:
 import torch
 from conftest import TINY
 from safetensors.torch import load_file
+from transformers import Qwen3Config
 
 from modelzoo import build_provider, lora, runtime
+from modelzoo.integrations import megatron_bridge  # registers our bridges
+from modelzoo.sync import WeightSync
+
+# after modelzoo.integrations.megatron_bridge, which lets megatron.bridge import under transformers 5.24
+from megatron.bridge import AutoBridge
+from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+from megatron.bridge.models.deepseek.deepseek_v4_bridge import DeepSeekV4Bridge
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
+from megatron.bridge.models.qwen.qwen3_bridge import Qwen3Bridge
+from megatron.core.utils import unwrap_model
 
 pytestmark = pytest.mark.megatron_bridge
 
@@ -39,8 +51,6 @@ def checkpoint_tensors(folder):
 
 def autobridge_model(checkpoint, tp: int = 1):
     """What a trainer does with Megatron-Bridge; on the CPU the parallel state comes from modelzoo.runtime."""
-    from megatron.bridge import AutoBridge
-
     bridge = AutoBridge.from_hf_pretrained(checkpoint)
     provider = bridge.to_megatron_provider()
     provider.tensor_model_parallel_size = tp
@@ -50,8 +60,6 @@ def autobridge_model(checkpoint, tp: int = 1):
 
 
 def _both_paths(rank: int, tp: int):
-    import modelzoo.integrations.megatron_bridge  # noqa: F401 - registers our bridges in this process
-
     results = {}
     for architecture, checkpoint in CHECKPOINTS.items():
         with runtime.parallel(tp=tp):
@@ -100,12 +108,6 @@ def test_autobridge_export_reproduces_the_checkpoint(ranks, architecture):
 
 
 def test_megatron_bridges_own_bridges_still_resolve():
-    import modelzoo.integrations.megatron_bridge  # noqa: F401
-    from megatron.bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.bridge.models.qwen.qwen3_bridge import Qwen3Bridge
-    from transformers import Qwen3Config
-
     config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          architectures=["Qwen3ForCausalLM"])
@@ -117,8 +119,6 @@ def test_megatron_bridges_own_bridges_still_resolve():
 
 
 def test_ours_replaces_megatron_bridges_deepseek_v4_with_a_log_line(caplog):
-    from modelzoo.integrations import megatron_bridge
-
     assert megatron_bridge.missing_deepseek_v4_core_fields() == list(megatron_bridge.DEEPSEEK_V4_CORE_FIELDS)
     with caplog.at_level(logging.WARNING, logger=megatron_bridge.__name__):
         assert megatron_bridge.register_deepseek_v4()
@@ -128,10 +128,6 @@ def test_ours_replaces_megatron_bridges_deepseek_v4_with_a_log_line(caplog):
 
 
 def test_megatron_bridges_own_deepseek_v4_cannot_build_on_this_megatron_core():
-    import modelzoo.integrations.megatron_bridge  # noqa: F401 - lets megatron.bridge import under transformers 5.24
-    from megatron.bridge.models.deepseek.deepseek_v4_bridge import DeepSeekV4Bridge
-    from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
-
     with runtime.parallel():
         provider = DeepSeekV4Bridge().provider_bridge(PreTrainedCausalLM.from_pretrained(CHECKPOINTS["deepseek_v4"]))
         provider.finalize()  # the fields Megatron-Core lacks were set as plain attributes: nothing checks them
@@ -140,10 +136,6 @@ def test_megatron_bridges_own_deepseek_v4_cannot_build_on_this_megatron_core():
 
 
 def test_megatron_bridges_deepseek_v4_stays_where_megatron_core_has_its_modules(monkeypatch):
-    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
-
-    from modelzoo.integrations import megatron_bridge
-
     monkeypatch.setattr(megatron_bridge, "missing_deepseek_v4_core_fields", lambda: [])
     registered = dict(get_model_bridge._exact_types)
     assert not megatron_bridge.register_deepseek_v4()
@@ -151,8 +143,6 @@ def test_megatron_bridges_deepseek_v4_stays_where_megatron_core_has_its_modules(
 
 
 def test_lora_adapters_merge_and_export_through_autobridge():
-    import modelzoo.integrations.megatron_bridge  # noqa: F401
-
     checkpoint = CHECKPOINTS["loopcoder"]
     with runtime.parallel():
         bridge, provider, model = autobridge_model(checkpoint)
@@ -177,15 +167,32 @@ def test_lora_adapters_merge_and_export_through_autobridge():
     assert all(torch.equal(adapters[name], tensor) for name, tensor in expected_adapters.items())
 
 
-def test_what_the_bridge_refuses_is_named():
-    import modelzoo.integrations.megatron_bridge  # noqa: F401
+def test_weight_sync_of_an_autobridge_model_sends_the_checkpoint():
+    checkpoint = CHECKPOINTS["deepseek_v4"]
+    with runtime.parallel():
+        bridge, provider, model = autobridge_model(checkpoint)
+        sync = WeightSync(provider.modelzoo_provider, chunk_bytes=1 << 16)
+        chunks = list(sync.chunks(unwrap_model(model)))
+    sent = [item for chunk in chunks for item in chunk.tensors]
+    expected = checkpoint_tensors(checkpoint)
+    assert len(chunks) > 1 and chunks[-1].is_last and sync.version == 1
+    assert sorted(name for name, _ in sent) == sorted(expected)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in sent)
 
+
+def test_what_the_bridge_refuses_is_named():
     with runtime.parallel():
         bridge, provider, model = autobridge_model(CHECKPOINTS["loopcoder"])
         with pytest.raises(ValueError, match="allowed_mismatched_params is not supported"):
             bridge.load_hf_weights([model], allowed_mismatched_params=["decoder.*"])
         with pytest.raises(NotImplementedError, match="LoopCoderBridge moves weights with modelzoo's mapping table"):
             bridge.get_conversion_tasks([model])
+        with pytest.raises(ValueError, match="build no Megatron-Bridge conversion tasks"):
+            list(bridge.export_hf_weights([model], conversion_tasks=[]))
+        with pytest.raises(ValueError, match="exclude_adapter_base_prefixes is not supported"):
+            list(bridge.export_adapter_weights([model], exclude_adapter_base_prefixes=["decoder.layers.0"]))
+        with pytest.raises(ValueError, match="modelzoo models have no pipeline stages: expected one model chunk, got 2"):
+            list(bridge.export_hf_weights([model, model]))
         provider.tensor_model_parallel_size = 2
         with pytest.raises(ValueError, match=r"tensor/expert parallel sizes \(2, 1\) but Megatron's parallel state "
                                              r"has \(1, 1\): call provider.initialize_model_parallel\(\)"):
