@@ -35,5 +35,7 @@ def test_bf16_error_is_no_larger_than_transformers(tmp_path):
             ours[dtype] = provider.token_logprobs(model, ids).float()
     their_error = max_diff(theirs[torch.bfloat16].float(), theirs[torch.float32])
     our_error = max_diff(ours[torch.bfloat16], ours[torch.float32])
-    print(f"bf16 vs fp32, max |logprob diff|: ours {our_error:.3e}, transformers {their_error:.3e}")
+    between = max_diff(ours[torch.bfloat16], theirs[torch.bfloat16].float())
+    print(f"bf16 vs fp32, max |logprob diff|: ours {our_error:.3e}, transformers {their_error:.3e}; "
+          f"ours bf16 vs transformers bf16 {between:.3e}")
     assert our_error <= BF16_ERROR_FACTOR * their_error
