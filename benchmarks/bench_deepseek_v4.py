@@ -1,11 +1,12 @@
 """DeepSeek-V4 training step on one GPU: our Megatron model against transformers' eager implementation.
 
-    python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--out results.json] [--steps 5]
+    python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--paths exact,fast]
+                                           [--out results.json] [--steps 5]
     python benchmarks/bench_deepseek_v4.py --profile     # top CUDA / CPU ops of our fast model instead
 
 `small`, the config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x
 256, 16 experts top-4, hc_mult 4. `large`, about 1B active parameters: hidden 2048, 12 layers, 16 heads x
-512, 32 experts top-6 (+1 shared) of 1024. Both at release attention ratios (window 128, compress ratios
+512, 16 experts top-6 (+1 shared) of 1024. Both at release attention ratios (window 128, compress ratios
 4 / 128, index top-k 512); bf16, forward + backward of the mean token loss, batch 1 x `--seq`. Both models
 get the same random weights (our tiny checkpoint generator at this config). MFU counts the matmul
 parameters a token goes through (attention projections, the active experts and the shared expert, the
@@ -44,7 +45,7 @@ CONFIGS = {
         vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, head_dim=512,
         partial_rotary_factor=0.125, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"] * 4,
-        index_n_heads=32, index_head_dim=128, n_routed_experts=32, num_experts_per_tok=6,
+        index_n_heads=32, index_head_dim=128, n_routed_experts=16, num_experts_per_tok=6,
         moe_intermediate_size=1024, mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 10, **RELEASE_ATTENTION),
 }
 
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--out", default="bench_deepseek_v4.json")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--paths", default="exact,fast", help="our attention paths to time, comma-separated")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile two steps of our fast model and print the top CUDA ops")
     args = parser.parse_args()
@@ -134,7 +136,7 @@ def main() -> None:
     record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
     del hf
     with runtime.parallel(tp=1):
-        for attention in ("exact", "fast"):
+        for attention in args.paths.split(","):
             provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention,
                                       perform_initialization=False)
             model = provider.provide()
