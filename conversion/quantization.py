@@ -144,10 +144,17 @@ def _fp8_exact_blocks(blocks: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (back == blocks).all(dim=-1).all(dim=-2)
 
 
-def _check_kept_scale(keep_scale: torch.Tensor, shape: tuple[int, ...], dtypes, name: str) -> None:
-    if tuple(keep_scale.shape) != tuple(shape) or keep_scale.dtype not in dtypes:
-        raise QuantizationError(f"{name}: kept scale {list(keep_scale.shape)} {keep_scale.dtype} does not match the "
-                                f"scale being written ({list(shape)}, one of {[str(d) for d in dtypes]})")
+def can_keep(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether `kept` can be the kept scale of quantising a `shape` tensor to `fmt` with `scale_dtype` scales
+    (not when the source stored the tensor in another format or scale dtype)."""
+    dtypes = (torch.float32,) if fmt == "fp8" and scale_dtype == torch.float32 else (E8M0, torch.uint8)
+    return tuple(kept.shape) == scale_shape(fmt, shape) and kept.dtype in dtypes
+
+
+def _check_kept_scale(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape, name: str) -> None:
+    if not can_keep(kept, fmt, scale_dtype, shape):
+        raise QuantizationError(f"{name}: kept scale {list(kept.shape)} {kept.dtype} does not match the scale "
+                                f"being written ({list(scale_shape(fmt, shape))}, {scale_dtype})")
 
 
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
@@ -184,8 +191,7 @@ def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "
             raise QuantizationError(f"{name}: values too large for an E8M0 scale")
         scale = torch.ldexp(torch.ones_like(amax), exponent)
     if keep_scale is not None:
-        _check_kept_scale(keep_scale, (*lead, rb, cb), (scale_dtype,) if scale_dtype == torch.float32
-                          else (E8M0, torch.uint8), name)
+        _check_kept_scale(keep_scale, "fp8", scale_dtype, x.shape, name)
         kept = _scale_to_float(keep_scale)
         scale = torch.where(_fp8_exact_blocks(blocks, kept, source_dtype), kept, scale)
     if scale_dtype == torch.float32:
@@ -259,7 +265,7 @@ def quantize_mxfp4(x: torch.Tensor, packed_dtype: torch.dtype = torch.int8, scal
     if (exponent > 127).any():
         raise QuantizationError(f"{name}: values too large for an E8M0 scale")
     if keep_scale is not None:
-        _check_kept_scale(keep_scale, (*lead, rows, cb), MXFP4_SCALE_DTYPES, name)
+        _check_kept_scale(keep_scale, "mxfp4", scale_dtype, x.shape, name)
         kept = keep_scale.view(torch.uint8).to(exponent.dtype) - 127
         back = torch.ldexp(_e2m1_decode(_e2m1_encode(torch.ldexp(blocks, -kept[..., None]))), kept[..., None])
         exact = (back.to(source_dtype).to(torch.float32) == blocks).all(dim=-1)
@@ -299,16 +305,6 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 def scale_shape(fmt: str, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     return fp8_scale_shape(shape) if fmt == "fp8" else mxfp4_scale_shape(shape)
-
-
-def can_keep(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
-    """Whether `kept` can be the kept scale of quantising a `shape` tensor to `fmt` with `scale_dtype` scales
-    (not when the source stored the tensor in another format or scale dtype)."""
-    if tuple(kept.shape) != scale_shape(fmt, shape):
-        return False
-    if fmt == "fp8" and scale_dtype == torch.float32:
-        return kept.dtype == torch.float32
-    return kept.dtype in (E8M0, torch.uint8)
 
 
 def quantize(x: torch.Tensor, fmt: str, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
