@@ -74,18 +74,23 @@ def step_flops(c: dict, seq: int) -> float:
     return 6 * tokens * active_parameters(c) + attention
 
 
+def our_model(folder: Path, attention: str):
+    """(provider, model) of our DeepSeek-V4 in bf16 with the checkpoint's weights (inside runtime.parallel)."""
+    from modelzoo.registry import build_provider
+
+    provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention, perform_initialization=False)
+    model = provider.provide()
+    provider.load_hf_weights(model, progress=False)
+    return provider, model
+
+
 def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from modelzoo import runtime
-    from modelzoo.registry import build_provider
 
     with runtime.parallel(tp=1):
-        provider = build_provider(folder, params_dtype=torch.bfloat16, attention="fast", perform_initialization=False)
-        model = provider.provide()
-        provider.load_hf_weights(model, progress=False)
-
-        step = megatron_step(provider, model, ids)
+        step = megatron_step(*our_model(folder, "fast"), ids)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -112,7 +117,6 @@ def main() -> None:
 
     from modelzoo import runtime
     from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
-    from modelzoo.registry import build_provider
 
     config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
     folder = Path(tempfile.mkdtemp()) / "deepseek-v4-bench"
@@ -137,12 +141,7 @@ def main() -> None:
     del hf
     with runtime.parallel(tp=1):
         for attention in args.paths.split(","):
-            provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention,
-                                      perform_initialization=False)
-            model = provider.provide()
-            provider.load_hf_weights(model, progress=False)
-            record(f"megatron deepseek_v4 ({attention})", megatron_step(provider, model, ids))
-            del model
+            record(f"megatron deepseek_v4 ({attention})", megatron_step(*our_model(folder, attention), ids))
 
     baseline = results[0]
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
