@@ -36,6 +36,7 @@ from modelzoo.deepseek_v4.model.layers import (
     mark_tensor_parallel,
     unweighted_rms_norm,
 )
+from modelzoo.fused import fused
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
 
@@ -125,6 +126,12 @@ def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: t
     except ImportError:
         out, lse = attend(q, kv, kv, block_mask=block_mask, scale=scaling, enable_gqa=True, return_lse=True,
                           kernel_options=options)
+    return fold_in_sink(out, lse, sinks)
+
+
+@fused
+def fold_in_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """[B, h, S, D] attention without the sink and its log-sum-exp -> [B, S, h, D] with the sink's share removed."""
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))         # probability mass not on the sink
     return (out.float() * keep.unsqueeze(-1)).to(out.dtype).transpose(1, 2).contiguous()
 

@@ -22,17 +22,28 @@ from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+from modelzoo.fused import fused
 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, head_dim: int,
                  overlap: bool, kv_norm: RMSNorm, rotary: RotaryTable) -> torch.Tensor:
     """[B, S, (1|2)*D] projections -> [B, S // ratio, D] compressed entries (normed, RoPE'd)."""
-    batch = kv.shape[0]
-    usable = (kv.shape[1] // ratio) * ratio
+    batch, n_windows = kv.shape[0], kv.shape[1] // ratio
+    if n_windows == 0:
+        return kv.new_zeros((batch, 0, head_dim))
+    compressed = kv_norm(gated_window_sum(kv, gate, position_bias, ratio, head_dim, overlap))
+    positions = (torch.arange(n_windows, device=compressed.device) * ratio).unsqueeze(0).expand(batch, -1)
+    cos, sin = rotary(positions, compressed.dtype)
+    return apply_rotary(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+@fused
+def gated_window_sum(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, head_dim: int,
+                     overlap: bool) -> torch.Tensor:
+    """Each window's kv weighted by softmax(gate + position_bias) over the window and summed: [B, S // ratio, D]."""
+    batch, n_windows = kv.shape[0], kv.shape[1] // ratio
+    usable = n_windows * ratio
     chunk_kv, chunk_gate = kv[:, :usable], gate[:, :usable]
-    if usable == 0:
-        return chunk_kv.new_zeros((batch, 0, head_dim))
-    n_windows = usable // ratio
     chunk_kv = chunk_kv.view(batch, n_windows, ratio, -1)
     chunk_gate = chunk_gate.view(batch, n_windows, ratio, -1) + position_bias
     if overlap:
@@ -45,10 +56,7 @@ def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tens
             new_kv[:, 1:, :ratio] = chunk_kv[:, :-1, :, :head_dim]
             new_gate[:, 1:, :ratio] = chunk_gate[:, :-1, :, :head_dim]
         chunk_kv, chunk_gate = new_kv, new_gate
-    compressed = kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2))
-    positions = (torch.arange(n_windows, device=compressed.device) * ratio).unsqueeze(0).expand(batch, -1)
-    cos, sin = rotary(positions, compressed.dtype)
-    return apply_rotary(compressed.unsqueeze(1), cos, sin).squeeze(1)
+    return (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
 
 
 def causal_block_bias(compressed_kv: torch.Tensor, position_ids: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.deepseek_v4.model.layers import fp32_param, unweighted_rms_norm
+from modelzoo.fused import fused
 
 
 class HyperConnection(nn.Module):
@@ -34,28 +35,35 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, N, hidden] -> (post [B, S, N], comb [B, S, N, N], collapsed [B, S, hidden])."""
-        batch, seq_len = streams.shape[:2]
-        hc = self.hc_mult
-        flat = unweighted_rms_norm(streams.view(batch, seq_len, -1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_scale, post_scale, comb_scale = self.scale.unbind(0)
-        comb_w = comb_w.view(*comb_w.shape[:-1], hc, hc)
-        comb_b = comb_b.view(hc, hc)
-
-        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return post, comb, collapsed
+        return hc_mix(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
+                      self.norm_eps)
 
 
+@fused
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, seq_len = streams.shape[:2]
+    flat = unweighted_rms_norm.eager(streams.view(batch, seq_len, -1).float(), norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_scale, post_scale, comb_scale = scale.unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], hc, hc)
+    comb_b = comb_b.view(hc, hc)
+
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return post, comb, collapsed
+
+
+@fused
 def hc_residual(post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor,
                 streams: torch.Tensor) -> torch.Tensor:
     """New streams: post[n] * block_output + sum_j comb[j, n] * streams[j] (comb used transposed)."""
@@ -77,7 +85,13 @@ class HyperHead(nn.Module):
             self.fn.normal_(0.0, init_std)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
-        pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return hc_head_collapse(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps)
+
+
+@fused
+def hc_head_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                     norm_eps: float) -> torch.Tensor:
+    flat = unweighted_rms_norm.eager(streams.flatten(2).float(), norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

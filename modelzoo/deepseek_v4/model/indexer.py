@@ -23,6 +23,17 @@ from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.compressor import pool_windows
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+from modelzoo.fused import fused
+
+
+@fused
+def index_scores(q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,
+                 weights_scaling: float) -> torch.Tensor:
+    """sum_h w[t,h] * relu(q[t,h] . k[s]) * scales: q [B, S, h, d], compressed [B, T, d], head_weights [B, S, h]."""
+    scores = torch.matmul(q.float(), compressed.transpose(-1, -2).float().unsqueeze(1))     # [B, S, h, T]
+    scores = F.relu(scores) * softmax_scale
+    weights = head_weights.float() * weights_scaling                                          # [B, S, h]
+    return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
 
 class Indexer(Decider):
@@ -48,10 +59,8 @@ class Indexer(Decider):
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         q = apply_rotary(q, cos, sin).transpose(1, 2)                                            # [B, S, h, d]
-        scores = torch.matmul(q.float(), compressed.transpose(-1, -2).float().unsqueeze(1))     # [B, S, h, T]
-        scores = F.relu(scores) * self.softmax_scale
-        weights = self.linear_weights(hidden_states).float() * self.weights_scaling             # [B, S, h]
-        return (scores * weights.unsqueeze(-1)).sum(dim=2)
+        return index_scores(q, compressed, self.linear_weights(hidden_states), self.softmax_scale,
+                            self.weights_scaling)
 
     @torch.no_grad()
     def forward(self, hidden_states, q_residual, position_ids) -> torch.Tensor:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelzoo.fused import fused
+
 
 def fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
     tensor = torch.empty(*shape, dtype=torch.float32)
@@ -51,13 +53,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return (self.weight * x).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return (weight * x).to(dtype)
+
+
+@fused
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
@@ -90,10 +98,16 @@ class RotaryTable(nn.Module):
         self.attention_scaling = attention_scaling
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=position_ids.device, dtype=torch.float)
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
-        return cos.to(dtype=dtype), sin.to(dtype=dtype)
+        return rotary_cos_sin(position_ids, self.inv_freq.to(position_ids.device), self.attention_scaling, dtype)
+
+
+@fused
+def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    cos = freqs.cos() * attention_scaling
+    sin = freqs.sin() * attention_scaling
+    return cos.to(dtype=dtype), sin.to(dtype=dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +116,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+@fused
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
     """V4's interleaved RoPE on the *trailing* rope slice of each head: `[nope | rope]`."""
     cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)

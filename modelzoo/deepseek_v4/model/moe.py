@@ -15,7 +15,9 @@ Dispatch is correctness-first, an all-gather dispatcher: the EP ranks (which may
 data) all-gather their tokens, routing ids and weights, each rank runs its local experts over
 every gathered token, and a reduce-scatter sums the partial outputs and hands each rank back its
 own tokens. Communication is O(ep x tokens x hidden) per layer, not the top-k all-to-all of a
-production dispatcher.
+production dispatcher. On each rank the (token, slot) pairs are sorted by expert into padded row
+groups and every expert weight is one grouped GEMM over all of them, planned on the device with no
+host synchronisation (one per layer under expert parallelism, to size the groups).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.layers import init_sharded
+from modelzoo.fused import fused
 
 SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
@@ -161,31 +164,83 @@ class RoutedExperts(nn.Module):
         weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=etp_group)
 
         count = tokens.shape[0]
-        counts = _all_gather_first_dim(torch.tensor([count], device=tokens.device), ep_group)
-        padding = int(counts.max()) - count
-        if padding:  # uneven token counts across EP ranks: pad with tokens routed nowhere
-            tokens = F.pad(tokens, (0, 0, 0, padding))
-            weights = F.pad(weights, (0, 0, 0, padding))
-            indices = F.pad(indices, (0, 0, 0, padding), value=-1)
+        if dist.get_world_size(ep_group) > 1:
+            counts = _all_gather_first_dim(torch.tensor([count], device=tokens.device), ep_group)
+            padding = int(counts.max()) - count
+            if padding:  # uneven token counts across EP ranks: pad with tokens routed nowhere
+                tokens = F.pad(tokens, (0, 0, 0, padding))
+                weights = F.pad(weights, (0, 0, 0, padding))
+                indices = F.pad(indices, (0, 0, 0, padding), value=-1)
         all_tokens = _GatherTokens.apply(tokens, ep_group)
         all_weights = _GatherTokens.apply(weights, ep_group)
         all_indices = _all_gather_first_dim(indices, ep_group)
 
-        out = torch.zeros_like(all_tokens)
-        with torch.no_grad():
-            local = all_indices - self.first_expert
-            hit = ((local >= 0) & (local < self.num_local))
-            experts = torch.unique(local[hit]).tolist()
-        for expert in experts:  # ascending, like transformers' loop over hit experts
-            top_k_pos, token_idx = torch.where((local == expert).transpose(0, 1))
-            gate = F.linear(all_tokens[token_idx], self.weight1[expert]).clamp(max=self.limit)
-            up = F.linear(all_tokens[token_idx], self.weight3[expert]).clamp(min=-self.limit, max=self.limit)
-            current = F.linear(F.silu(gate) * up, self.weight2[expert])
-            current = current * all_weights[token_idx, top_k_pos, None]
-            out = out.index_add(0, token_idx, current.to(out.dtype))
+        local = all_indices - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        rows, slot_rows, group_ends = _dispatch_plan(torch.where(mine, local, self.num_local), self.num_local,
+                                                     exact_capacity=dist.get_world_size(ep_group) > 1)
+        expert_input = F.pad(all_tokens, (0, 0, 0, 1))[rows]   # row `len(all_tokens)`: the zero padding row
+        gate = grouped_linear(expert_input, self.weight1, group_ends)
+        up = grouped_linear(expert_input, self.weight3, group_ends)
+        expert_output = grouped_linear(clamped_swiglu(gate, up, self.limit), self.weight2, group_ends)
+        # combine: each token's k slots, weighted (slots routed to another EP rank weigh 0), summed
+        slot_weights = torch.where(mine, all_weights, 0).to(expert_output.dtype)
+        out = (expert_output[slot_rows] * slot_weights.unsqueeze(-1)).sum(dim=1)
 
         out = _ScatterTokens.apply(out, ep_group)[:count]
         return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=etp_group)
+
+
+# Rows of each expert's group are padded to a multiple of this: the bf16 grouped GEMM's weight
+# gradient contracts over the rows of a group and needs each group to start 16-byte aligned.
+GROUP_ALIGNMENT = 16
+
+
+def _dispatch_plan(experts: torch.Tensor, num_experts: int, exact_capacity: bool):
+    """Where each (token, slot) goes in the grouped expert input, computed on the device without host syncs.
+
+    experts [T, k]: local expert id per slot, `num_experts` for a slot another rank serves. Returns
+    rows [R] (the token each grouped row reads; T = the zero row), slot_rows [T, k] (the row holding each
+    slot's output; any row for foreign slots) and group_ends [E] int32 (exclusive end row of each
+    expert's group; the last group also takes the unused tail, zero rows). R is static (T*k plus the
+    padding bound) unless `exact_capacity` (expert parallelism, where most slots are foreign).
+    """
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    slots = flat.numel()
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
+    padded = (counts + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
+    padded_ends = padded.cumsum(0)
+    local_slots = int(counts.sum()) if exact_capacity else slots
+    capacity = local_slots + num_experts * GROUP_ALIGNMENT
+    # stable sort: within an expert, slots keep token order (like transformers' per-expert loop)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    first_sorted = F.pad(counts.cumsum(0) - counts, (0, 1), value=slots)          # per expert, + foreign bucket
+    first_row = F.pad(padded_ends - padded, (0, 1), value=capacity)              # foreign -> one junk row
+    is_foreign = sorted_experts == num_experts
+    row_of_sorted = torch.where(is_foreign, capacity, first_row[sorted_experts]
+                                + torch.arange(slots, device=flat.device) - first_sorted[sorted_experts])
+    slot_rows = torch.empty_like(flat).scatter_(0, order, row_of_sorted)
+    rows = torch.full((capacity + 1,), num_tokens, dtype=torch.long, device=flat.device)
+    rows = rows.scatter_(0, slot_rows, torch.arange(slots, device=flat.device) // top_k)[:capacity]
+    group_ends = padded_ends.to(torch.int32)
+    group_ends[-1] = capacity
+    return rows, slot_rows.clamp(max=capacity - 1).view(num_tokens, top_k), group_ends
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """Row group e of x [R, in] (rows group_ends[e-1]..group_ends[e]) times weight[e]^T ([E, out, in]) -> [R, out].
+
+    One grouped GEMM on a GPU in bf16 (`torch._grouped_mm`); elsewhere one linear per group (the
+    CPU parity path: the same products, no alignment rules).
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=group_ends)
+    starts = [0, *group_ends.tolist()[:-1]]
+    return torch.cat([F.linear(x[start:end], weight[e]) for e, (start, end) in
+                      enumerate(zip(starts, group_ends.tolist(), strict=True))])
 
 
 class SharedExpert(nn.Module):
@@ -202,9 +257,12 @@ class SharedExpert(nn.Module):
                                             bias=False, input_is_parallel=True, skip_bias_add=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.linear_fc1_gate(x)[0].clamp(max=self.limit)
-        up = self.linear_fc1_up(x)[0].clamp(min=-self.limit, max=self.limit)
-        return self.linear_fc2(F.silu(gate) * up)[0]
+        return self.linear_fc2(clamped_swiglu(self.linear_fc1_gate(x)[0], self.linear_fc1_up(x)[0], self.limit))[0]
+
+
+@fused
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class DeepseekV4MoE(nn.Module):
