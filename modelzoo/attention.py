@@ -79,7 +79,7 @@ def compiled_flex_attention():
 
 
 @functools.lru_cache(maxsize=16)
-def _sliding_block_mask(seq_len: int, window: int, device: torch.device):
+def sliding_block_mask(seq_len: int, window: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_causal(batch, head, query, key):
@@ -89,7 +89,7 @@ def _sliding_block_mask(seq_len: int, window: int, device: torch.device):
 
 
 def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> Tensor:
-    block_mask = _sliding_block_mask(q.shape[2], window, q.device)
+    block_mask = sliding_block_mask(q.shape[2], window, q.device)
     return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
                                       enable_gqa=k.shape[1] != q.shape[1])
 

@@ -17,13 +17,14 @@ On CPU it runs flex_attention's unfused reference (forward only: no CPU backward
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import compiled_flex_attention, window_mask
+from modelzoo.attention import compiled_flex_attention, sliding_block_mask, window_mask
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
 from modelzoo.deepseek_v4.model.layers import (
@@ -96,24 +97,16 @@ def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: t
 
     batch, _, seq_len, _ = q.shape
     total = kv.shape[2]
-    mask_batch = None
     if total == seq_len:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+        block_mask = sliding_block_mask(seq_len, window, q.device)
     elif compressed_visible is None:
-        ratio = causal_ratio
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
-            return sliding | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
-    else:
-        visible, mask_batch = compressed_visible, batch
-
+        block_mask = _heavily_compressed_block_mask(seq_len, total - seq_len, window, causal_ratio, q.device)
+    else:  # the indexer's picks change with every input: a fresh mask
         def mask_mod(b, h, q_idx, kv_idx):
             sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
             entry = (kv_idx - seq_len).clamp(min=0)
-            return sliding | ((kv_idx >= seq_len) & visible[b, q_idx, entry])
-    block_mask = create_block_mask(mask_mod, mask_batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
+            return sliding | ((kv_idx >= seq_len) & compressed_visible[b, q_idx, entry])
+        block_mask = create_block_mask(mask_mod, batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
     attend = compiled_flex_attention() if q.is_cuda else flex_attention
     # the compiled kernel's default 128-row tiles find no valid configuration below 128 queries (H200, torch 2.11)
     options = {"BLOCK_M": 32, "BLOCK_N": 32} if q.is_cuda and seq_len < 128 else None
@@ -134,6 +127,17 @@ def fold_in_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> t
     """[B, h, S, D] attention without the sink and its log-sum-exp -> [B, S, h, D] with the sink's share removed."""
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))         # probability mass not on the sink
     return (out.float() * keep.unsqueeze(-1)).to(out.dtype).transpose(1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _heavily_compressed_block_mask(seq_len: int, compressed_len: int, window: int, ratio: int, device: torch.device):
+    """Sliding window + every complete compressed window (entry c < (t + 1) // ratio): the same for every input."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+        return sliding | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
+    return create_block_mask(mask_mod, None, None, seq_len, seq_len + compressed_len, device=device)
 
 
 class DeepseekV4Attention(nn.Module):
