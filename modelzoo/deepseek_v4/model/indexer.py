@@ -30,7 +30,9 @@ from modelzoo.fused import fused
 def index_scores(q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,
                  weights_scaling: float) -> torch.Tensor:
     """sum_h w[t,h] * relu(q[t,h] . k[s]) * scales: q [B, S, h, d], compressed [B, T, d], head_weights [B, S, h]."""
-    scores = torch.matmul(q.float(), compressed.transpose(-1, -2).float().unsqueeze(1))     # [B, S, h, T]
+    batch, seq_len, heads, _ = q.shape
+    # one [S*h, d] x [d, T] product per sequence (a broadcast matmul over h runs a slow batched kernel)
+    scores = torch.bmm(q.float().flatten(1, 2), compressed.float().transpose(1, 2)).view(batch, seq_len, heads, -1)
     scores = F.relu(scores) * softmax_scale
     weights = head_weights.float() * weights_scaling                                          # [B, S, h]
     return (scores * weights.unsqueeze(-1)).sum(dim=2)

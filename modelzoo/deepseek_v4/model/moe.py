@@ -179,13 +179,15 @@ class RoutedExperts(nn.Module):
         mine = (local >= 0) & (local < self.num_local)
         rows, slot_rows, group_ends = _dispatch_plan(torch.where(mine, local, self.num_local), self.num_local,
                                                      exact_capacity=dist.get_world_size(ep_group) > 1)
-        expert_input = F.pad(all_tokens, (0, 0, 0, 1))[rows]   # row `len(all_tokens)`: the zero padding row
+        # row `len(all_tokens)`: the zero padding row. index_select, whose backward is an index_add
+        expert_input = F.pad(all_tokens, (0, 0, 0, 1)).index_select(0, rows)
         gate = grouped_linear(expert_input, self.weight1, group_ends)
         up = grouped_linear(expert_input, self.weight3, group_ends)
         expert_output = grouped_linear(clamped_swiglu(gate, up, self.limit), self.weight2, group_ends)
         # combine: each token's k slots, weighted (slots routed to another EP rank weigh 0), summed
         slot_weights = torch.where(mine, all_weights, 0).to(expert_output.dtype)
-        out = (expert_output[slot_rows] * slot_weights.unsqueeze(-1)).sum(dim=1)
+        slot_outputs = expert_output.index_select(0, slot_rows.reshape(-1)).view(*slot_rows.shape, -1)
+        out = (slot_outputs * slot_weights.unsqueeze(-1)).sum(dim=1)
 
         out = _ScatterTokens.apply(out, ep_group)[:count]
         return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=etp_group)
