@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -130,10 +131,14 @@ def main() -> None:
     results = []
 
     def record(name, step):
+        started = time.perf_counter()
+        loss = float(step())  # also the check that both models compute the same thing (same weights, same tokens)
+        first_step = time.perf_counter() - started  # includes compiling, for the fused paths
         seconds, memory = time_steps(step, args.steps)
         tflops = flops / seconds / 1e12
         results.append({"model": name, "ms_per_step": 1e3 * seconds, "tokens_per_s": BATCH * args.seq / seconds,
-                        "tflops_lower_bound": tflops, "mfu_lower_bound": tflops / peak, "peak_memory_gib": memory})
+                        "tflops_lower_bound": tflops, "mfu_lower_bound": tflops / peak, "peak_memory_gib": memory,
+                        "loss": loss, "first_step_s": first_step})
         torch.cuda.empty_cache()
 
     hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
@@ -146,11 +151,13 @@ def main() -> None:
     baseline = results[0]
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
           f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
-    print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}")
+    print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"
+          f"{'loss':>9}{'1st step s':>11}")
     for r in results:
         r["tokens_per_s_vs_hf"] = r["tokens_per_s"] / baseline["tokens_per_s"]
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
-              f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{r['tokens_per_s_vs_hf']:>7.2f}")
+              f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{r['tokens_per_s_vs_hf']:>7.2f}"
+              f"{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
     Path(args.out).write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
                                           "config": config, "results": results}, indent=2))
 

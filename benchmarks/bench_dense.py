@@ -75,13 +75,16 @@ def hf_step(model, ids):
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=ids, use_cache=False).loss
         loss.backward()
+        return loss.detach()
     return step
 
 
 def megatron_step(provider, model, ids):
     def step():
         model.zero_grad(set_to_none=True)
-        (-provider.token_logprobs(model, ids).mean()).backward()
+        loss = -provider.token_logprobs(model, ids).mean()
+        loss.backward()
+        return loss.detach()
     return step
 
 

@@ -53,33 +53,14 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
     pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    comb = sinkhorn(torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc_eps, sinkhorn_iters, hc_eps)
+    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
     return post, comb, collapsed
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Normalise the columns, then (iters - 1) times the rows and the columns, of comb [..., N, N].
-
-    Written on the N*N entries one by one (each a [...] tensor) rather than as `sum(dim)`
-    reductions, so that compiled it is a single elementwise kernel forward and backward instead of
-    two reduction kernels per iteration.
-    """
-    n = comb.shape[-1]
-    entries = [[comb[..., i, j] for j in range(n)] for i in range(n)]
-
-    def normalise_columns(m):
-        sums = [sum(m[i][j] for i in range(n)) + eps for j in range(n)]
-        return [[m[i][j] / sums[j] for j in range(n)] for i in range(n)]
-
-    def normalise_rows(m):
-        sums = [sum(row) + eps for row in m]
-        return [[value / total for value in row] for row, total in zip(m, sums, strict=True)]
-
-    entries = normalise_columns(entries)
-    for _ in range(iters - 1):
-        entries = normalise_columns(normalise_rows(entries))
-    return torch.stack([torch.stack(row, dim=-1) for row in entries], dim=-2)
 
 
 @fused

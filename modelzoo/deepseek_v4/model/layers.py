@@ -101,7 +101,6 @@ class RotaryTable(nn.Module):
         return rotary_cos_sin(position_ids, self.inv_freq.to(position_ids.device), self.attention_scaling, dtype)
 
 
-@fused
 def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = position_ids[..., None].float() * inv_freq.float()
