@@ -1,6 +1,6 @@
 """Checkpoint conversion on the CPU: `modelzoo import` + `modelzoo export` against a read-and-write baseline.
 
-    python benchmarks/bench_conversion.py [--workdir DIR] [--layers 16]
+    python benchmarks/bench_conversion.py [--workdir DIR] [--layers 16] [--rounds 3]
 
 Makes a synthetic LoopCoder-shaped bf16 checkpoint (hidden 2048, 16 layers: ~2 GB) in several
 shards, then measures, each in its own process so peak RSS is that step's alone:
@@ -11,13 +11,17 @@ twice: "in process" times the conversion alone, in a process that has imported i
 converted the shipped tiny LoopCoder checkpoint first (library imports, lazy module loading and process
 start-up are a fixed cost that does not grow with the checkpoint); "CLI" times the whole command from the
 child's start. Each timed step starts after `sync` (no dirty pages left by an earlier step); peak RSS
-is the step's own peak (VmHWM reset) above the RSS at its start. Prints a table; writes JSON.
+is the step's own peak (VmHWM reset) above the RSS at its start. The three steps run `--rounds` times
+in turn, and each ratio is taken against the baseline of its own round (this machine's write speed
+drifts over minutes). Prints a table; writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -158,12 +162,26 @@ def measure(label: str, code: str) -> dict:
     return {"step": label, "seconds": seconds, "peak_rss_above_start_gib": (peak_kib - start_kib) / 2**20}
 
 
+def summarise(per_round: list[list[dict]]) -> list[dict]:
+    """Per step: median seconds, median of the per-round ratios to that round's baseline, the largest peak RSS."""
+    summary = []
+    for index, step in enumerate(per_round[0]):
+        rows = [results[index] for results in per_round]
+        ratios = [results[index]["seconds"] / results[0]["seconds"] for results in per_round]
+        summary.append({"step": step["step"], "seconds": statistics.median(row["seconds"] for row in rows),
+                        "time_vs_baseline": statistics.median(ratios), "time_vs_baseline_per_round": ratios,
+                        "seconds_per_round": [row["seconds"] for row in rows],
+                        "peak_rss_above_start_gib": max(row["peak_rss_above_start_gib"] for row in rows)})
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--shard-bytes", type=int, default=512 * 2**20)
     parser.add_argument("--out", default="bench_conversion.json")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
     source = work / "hf"
@@ -174,6 +192,7 @@ def main() -> None:
 
     def in_process(label: str, step: str, source_dir: Path, out_name: str) -> dict:
         warm = work / f"warm-{out_name}"
+        shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir()
         code = f"import sys; sys.path.insert(0, {str(work)!r})\n" + WARM_AND_MEASURE.format(
             warm=str(warm), tiny=tiny, step=step, args=(str(source_dir), str(work / out_name), args.shard_bytes))
@@ -184,25 +203,34 @@ def main() -> None:
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
                                   run=f"runpy.run_path({str(work / 'baseline.py')!r}, run_name='__main__')")
-    groups = {
-        "in process": [
-            in_process("baseline read+write", "baseline", source, "copy"),
+
+    def removing(result: dict, *outputs: str) -> dict:
+        """`result` of a step, after removing the outputs no later step reads (a tmpfs work folder holds them in memory)."""
+        for output in outputs:
+            shutil.rmtree(work / output)
+        return result
+
+    rounds = {"in process": [], "CLI": []}
+    for _ in range(args.rounds):  # baseline, import, export, then again: each ratio is taken within its round
+        rounds["in process"].append([
+            removing(in_process("baseline read+write", "baseline", source, "copy"), "copy"),
             in_process("modelzoo import", "import_", source, "megatron"),
-            in_process("modelzoo export", "export", work / "megatron", "exported"),
-        ],
-        "CLI": [
-            measure("baseline read+write", baseline_cli),
+            removing(in_process("modelzoo export", "export", work / "megatron", "exported"), "megatron", "exported"),
+        ])
+        rounds["CLI"].append([
+            removing(measure("baseline read+write", baseline_cli), "copy-cli"),
             cli("modelzoo import", ["modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"]),
-            cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
-                                    "--max-shard-bytes", str(args.shard_bytes)]),
-        ],
-    }
+            removing(cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
+                                             "--max-shard-bytes", str(args.shard_bytes)]), "megatron-cli", "exported-cli"),
+        ])
+    groups = {timing: summarise(per_round) for timing, per_round in rounds.items()}
     print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")
     for timing, results in groups.items():
-        print(f"\n{timing}\n{'step':<22}{'seconds':>9}{'x baseline':>12}{'peak RSS GiB':>14}")
+        print(f"\n{timing}, median of {args.rounds} rounds (ratio: median of the per-round ratios)\n"
+              f"{'step':<22}{'seconds':>9}{'x baseline':>12}{'per round':>24}{'peak RSS GiB':>14}")
         for row in results:
-            row["time_vs_baseline"] = row["seconds"] / results[0]["seconds"]
-            print(f"{row['step']:<22}{row['seconds']:>9.1f}{row['time_vs_baseline']:>12.2f}"
+            per_round = " ".join(f"{ratio:.2f}" for ratio in row["time_vs_baseline_per_round"])
+            print(f"{row['step']:<22}{row['seconds']:>9.1f}{row['time_vs_baseline']:>12.2f}{per_round:>24}"
                   f"{row['peak_rss_above_start_gib']:>14.2f}")
     Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
                                           "results": groups}, indent=2))

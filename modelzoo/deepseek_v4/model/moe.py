@@ -194,7 +194,8 @@ class RoutedExperts(nn.Module):
 
 
 # Rows of each expert's group are padded to a multiple of this: the bf16 grouped GEMM's weight
-# gradient contracts over the rows of a group and needs each group to start 16-byte aligned.
+# gradient contracts over the rows of a group and needs each group's offset 16-byte aligned (a
+# multiple of 8 bf16 rows); 16 rows covers that with room.
 GROUP_ALIGNMENT = 16
 
 
