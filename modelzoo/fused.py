@@ -19,10 +19,10 @@ from typing import TypeVar
 
 import torch
 
-F = TypeVar("F", bound=Callable)
+Function = TypeVar("Function", bound=Callable)
 
 
-def fused(fn: F) -> F:
+def fused(fn: Function) -> Function:
     """`fn` compiled on first use with CUDA tensors (the first argument decides); eager on CPU."""
     compiled = None
 
