@@ -205,7 +205,7 @@ def main() -> None:
                                   run=f"runpy.run_path({str(work / 'baseline.py')!r}, run_name='__main__')")
 
     def removing(result: dict, *outputs: str) -> dict:
-        """`result` of a step, after removing the outputs no later step reads (a tmpfs work folder holds them in memory)."""
+        """`result` of a step, after removing the outputs no later step reads (tmpfs holds them in memory)."""
         for output in outputs:
             shutil.rmtree(work / output)
         return result
@@ -219,9 +219,11 @@ def main() -> None:
         ])
         rounds["CLI"].append([
             removing(measure("baseline read+write", baseline_cli), "copy-cli"),
-            cli("modelzoo import", ["modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"]),
-            removing(cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
-                                             "--max-shard-bytes", str(args.shard_bytes)]), "megatron-cli", "exported-cli"),
+            cli("modelzoo import", ["modelzoo", "import", str(source), str(work / "megatron-cli"),
+                                    "--dtype", "bfloat16"]),
+            removing(cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"),
+                                             str(work / "exported-cli"), "--max-shard-bytes", str(args.shard_bytes)]),
+                     "megatron-cli", "exported-cli"),
         ])
     groups = {timing: summarise(per_round) for timing, per_round in rounds.items()}
     print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")

@@ -205,7 +205,7 @@ def _dispatch_plan(experts: torch.Tensor, num_experts: int, exact_capacity: bool
     experts [T, k]: local expert id per slot, `num_experts` for a slot another rank serves. Returns
     rows [R] (the token each grouped row reads; T = the zero row), slot_rows [T, k] (the row holding each
     slot's output; any row for foreign slots) and group_ends [E] int32 (exclusive end row of each
-    expert's group; the last group also takes the unused tail, zero rows). R is static (T*k plus the
+    expert's group, none empty; the last group also takes the unused tail, zero rows). R is static (T*k plus the
     padding bound) unless `exact_capacity` (expert parallelism, where most slots are foreign).
     """
     num_tokens, top_k = experts.shape
@@ -213,7 +213,8 @@ def _dispatch_plan(experts: torch.Tensor, num_experts: int, exact_capacity: bool
     slots = flat.numel()
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).index_add_(
         0, flat, torch.ones_like(flat))[:num_experts]
-    padded = (counts + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
+    # at least one aligned block per expert, so that no group is empty (fits: ceil(c/16)*16 <= c + 16)
+    padded = ((counts + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT).clamp(min=1) * GROUP_ALIGNMENT
     padded_ends = padded.cumsum(0)
     local_slots = int(counts.sum()) if exact_capacity else slots
     capacity = local_slots + num_experts * GROUP_ALIGNMENT
