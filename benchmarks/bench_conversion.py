@@ -139,18 +139,10 @@ if __name__ == "__main__":
 
 def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
     sys.path.insert(0, str(ROOT / "tiny_checkpoints"))
-    import torch
-    from make_tiny import loopcoder_shapes
+    from make_tiny import write_sharded_loopcoder
 
-    from conversion.safetensors_io import ShardedWriter
-
-    config = {**CONFIG, "num_hidden_layers": layers}
-    generator = torch.Generator().manual_seed(0)
-    with ShardedWriter(folder, max_shard_bytes=shard_bytes) as writer:
-        for name, shape in sorted(loopcoder_shapes(config).items()):
-            writer.add(name, (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
-        writer.write_json("config.json", config)
-    return writer.total_bytes
+    total_bytes, _ = write_sharded_loopcoder(folder, {**CONFIG, "num_hidden_layers": layers}, shard_bytes)
+    return total_bytes
 
 
 def measure(label: str, code: str) -> dict:

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conversion import engine, megatron_ckpt
-from conversion.safetensors_io import CheckpointReader, ShardedWriter
+from conversion.safetensors_io import CheckpointReader
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 from conftest import ROOT, TINY
@@ -64,15 +64,7 @@ if __name__ == "__main__":
 def synthetic(tmp_path_factory, make_tiny) -> tuple[Path, int, int]:
     """(folder, total bytes, largest tensor bytes) of a multi-shard LoopCoder-shaped bf16 checkpoint."""
     folder = tmp_path_factory.mktemp("streaming") / "hf"
-    generator = torch.Generator().manual_seed(0)
-    largest = 0
-    with ShardedWriter(folder, max_shard_bytes=32 * MiB) as writer:
-        for name, shape in sorted(make_tiny.loopcoder_shapes(CONFIG).items()):
-            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-            largest = max(largest, tensor.nbytes)
-            writer.add(name, tensor)
-        writer.write_json("config.json", CONFIG)
-    return folder, writer.total_bytes, largest
+    return folder, *make_tiny.write_sharded_loopcoder(folder, CONFIG, max_shard_bytes=32 * MiB)
 
 
 def test_import_and_export_memory_is_a_few_tensors_not_the_model(synthetic):

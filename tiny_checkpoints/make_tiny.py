@@ -100,6 +100,23 @@ def write_checkpoint(folder: Path, config: dict, shapes: dict[str, tuple[int, ..
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def write_sharded_loopcoder(folder: Path, config: dict, max_shard_bytes: int) -> tuple[int, int]:
+    """A large LoopCoder-shaped bf16 checkpoint in several shards (the streaming tests, the conversion
+    benchmark): random weights from one seeded generator. Returns (total bytes, largest tensor's bytes)."""
+    sys.path.insert(0, str(HERE.parent))
+    from conversion.safetensors_io import ShardedWriter
+
+    generator = torch.Generator().manual_seed(0)
+    largest = 0
+    with ShardedWriter(folder, max_shard_bytes=max_shard_bytes) as writer:
+        for name, shape in sorted(loopcoder_shapes(config).items()):
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+            largest = max(largest, tensor.nbytes)
+            writer.add(name, tensor)
+        writer.write_json("config.json", config)
+    return writer.total_bytes, largest
+
+
 def _deepseek_v4_tiny_module():
     # loaded by path: importing the modelzoo package would pull in transformers and Megatron-Core
     path = HERE.parent / "modelzoo" / "deepseek_v4" / "tiny.py"
