@@ -98,15 +98,10 @@ class RotaryTable(nn.Module):
         self.attention_scaling = attention_scaling
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_cos_sin(position_ids, self.inv_freq.to(position_ids.device), self.attention_scaling, dtype)
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = position_ids[..., None].float() * inv_freq.float()
-    cos = freqs.cos() * attention_scaling
-    sin = freqs.sin() * attention_scaling
-    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        return cos.to(dtype=dtype), sin.to(dtype=dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

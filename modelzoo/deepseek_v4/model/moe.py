@@ -163,8 +163,8 @@ class RoutedExperts(nn.Module):
         tokens = tensor_parallel.copy_to_tensor_model_parallel_region(tokens, group=etp_group)
         weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=etp_group)
 
-        count = tokens.shape[0]
-        if dist.get_world_size(ep_group) > 1:
+        count, expert_parallel = tokens.shape[0], dist.get_world_size(ep_group) > 1
+        if expert_parallel:
             counts = _all_gather_first_dim(torch.tensor([count], device=tokens.device), ep_group)
             padding = int(counts.max()) - count
             if padding:  # uneven token counts across EP ranks: pad with tokens routed nowhere
@@ -178,7 +178,7 @@ class RoutedExperts(nn.Module):
         local = all_indices - self.first_expert
         mine = (local >= 0) & (local < self.num_local)
         rows, slot_rows, group_ends = _dispatch_plan(torch.where(mine, local, self.num_local), self.num_local,
-                                                     exact_capacity=dist.get_world_size(ep_group) > 1)
+                                                     exact_capacity=expert_parallel)
         # row `len(all_tokens)`: the zero padding row. index_select, whose backward is an index_add
         expert_input = F.pad(all_tokens, (0, 0, 0, 1)).index_select(0, rows)
         gate = grouped_linear(expert_input, self.weight1, group_ends)
@@ -221,10 +221,11 @@ def _dispatch_plan(experts: torch.Tensor, num_experts: int, exact_capacity: bool
     # stable sort: within an expert, slots keep token order (like transformers' per-expert loop)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]
-    first_sorted = F.pad(counts.cumsum(0) - counts, (0, 1), value=slots)          # per expert, + foreign bucket
-    first_row = F.pad(padded_ends - padded, (0, 1), value=capacity)              # foreign -> one junk row
-    is_foreign = sorted_experts == num_experts
-    row_of_sorted = torch.where(is_foreign, capacity, first_row[sorted_experts]
+    # per expert: its first position in sorted order and its first row (the foreign bucket's 0s only
+    # keep the lookup in range: its slots all go to the junk row `capacity`, dropped below)
+    first_sorted = F.pad(counts.cumsum(0) - counts, (0, 1))
+    first_row = F.pad(padded_ends - padded, (0, 1))
+    row_of_sorted = torch.where(sorted_experts == num_experts, capacity, first_row[sorted_experts]
                                 + torch.arange(slots, device=flat.device) - first_sorted[sorted_experts])
     slot_rows = torch.empty_like(flat).scatter_(0, order, row_of_sorted)
     rows = torch.full((capacity + 1,), num_tokens, dtype=torch.long, device=flat.device)
