@@ -78,12 +78,17 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def in_window(query, key, window: int):
+    """flex_attention mask rule: key is at or before query and fewer than `window` positions back."""
+    return (key <= query) & (key > query - window)
+
+
 @functools.lru_cache(maxsize=16)
 def sliding_block_mask(seq_len: int, window: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding_causal(batch, head, query, key):
-        return (key <= query) & (key > query - window)
+        return in_window(query, key, window)
 
     return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
 

@@ -24,7 +24,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import compiled_flex_attention, sliding_block_mask, window_mask
+from modelzoo.attention import compiled_flex_attention, in_window, sliding_block_mask, window_mask
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
 from modelzoo.deepseek_v4.model.layers import (
@@ -103,9 +103,8 @@ def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: t
         block_mask = _heavily_compressed_block_mask(seq_len, total - seq_len, window, causal_ratio, q.device)
     else:  # the indexer's picks change with every input: a fresh mask
         def mask_mod(b, h, q_idx, kv_idx):
-            sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
             entry = (kv_idx - seq_len).clamp(min=0)
-            return sliding | ((kv_idx >= seq_len) & compressed_visible[b, q_idx, entry])
+            return in_window(q_idx, kv_idx, window) | ((kv_idx >= seq_len) & compressed_visible[b, q_idx, entry])
         block_mask = create_block_mask(mask_mod, batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
     attend = compiled_flex_attention() if q.is_cuda else flex_attention
     # One K=V head for all query heads: give each head its own view. With a single KV head the
@@ -139,8 +138,7 @@ def _heavily_compressed_block_mask(seq_len: int, compressed_len: int, window: in
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        sliding = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
-        return sliding | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
+        return in_window(q_idx, kv_idx, window) | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
     return create_block_mask(mask_mod, None, None, seq_len, seq_len + compressed_len, device=device)
 
 
