@@ -2,7 +2,10 @@
 
     python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--paths exact,fast]
                                            [--out results.json] [--steps 5]
-    python benchmarks/bench_deepseek_v4.py --profile     # top CUDA / CPU ops of our fast model instead
+    python benchmarks/bench_deepseek_v4.py --profile --paths fast   # top CUDA / CPU ops of that path instead
+
+`--paths fast+graphs` times the fast path with the decoder layers replayed as CUDA graphs
+(`DeepseekV4Model.capture_cuda_graphs`; the capture is part of the first step).
 
 `small`, the config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x
 256, 16 experts top-4, hc_mult 4. `large`, about 1B active parameters: hidden 2048, 12 layers, 16 heads x
@@ -85,13 +88,25 @@ def our_model(folder: Path, attention: str):
     return provider, model
 
 
-def profile_fast_model(folder: Path, ids: torch.Tensor) -> None:
+def capturing_first(model, ids, step):
+    def first_captures():
+        if model.layer_graphs is None:
+            model.capture_cuda_graphs(ids)
+        return step()
+    return first_captures
+
+
+def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from modelzoo import runtime
 
+    attention, _, graphs = path.partition("+")
     with runtime.parallel(tp=1):
-        step = megatron_step(*our_model(folder, "fast"), ids)
+        provider, model = our_model(folder, attention)
+        step = megatron_step(provider, model, ids)
+        if graphs:
+            step = capturing_first(model, ids, step)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -109,9 +124,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--out", default="bench_deepseek_v4.json")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--paths", default="exact,fast", help="our attention paths to time, comma-separated")
+    parser.add_argument("--paths", default="exact,fast",
+                        help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
+                             "the decoder layers as CUDA graphs")
     parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, profile two steps of our fast model and print the top CUDA ops")
+                        help="instead of timing, profile two steps of our model on the first of --paths and print the top ops")
     args = parser.parse_args()
 
     from transformers import DeepseekV4ForCausalLM
@@ -124,7 +141,7 @@ def main() -> None:
     write_deepseek_v4_tiny(folder, config)
     ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
     if args.profile:
-        profile_fast_model(folder, ids)
+        profile_our_model(folder, ids, args.paths.split(",")[0])
         return
     peak = matmul_peak_tflops()
     flops = step_flops(config, args.seq)
@@ -145,8 +162,15 @@ def main() -> None:
     record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
     del hf
     with runtime.parallel(tp=1):
-        for attention in args.paths.split(","):
-            record(f"megatron deepseek_v4 ({attention})", megatron_step(*our_model(folder, attention), ids))
+        for path in args.paths.split(","):
+            attention, _, graphs = path.partition("+")
+            provider, model = our_model(folder, attention)
+            step = megatron_step(provider, model, ids)
+            if graphs:  # "fast+graphs": capture the decoder layers' CUDA graphs in the first step
+                step = capturing_first(model, ids, step)
+            record(f"megatron deepseek_v4 ({path})", step)
+            model.release_cuda_graphs()
+            del model, step
 
     baseline = results[0]
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "

@@ -39,6 +39,11 @@ def _deciders(model: nn.Module) -> dict[str, Decider]:
     return {name: module for name, module in model.named_modules() if isinstance(module, Decider)}
 
 
+def deciding(model: nn.Module) -> bool:
+    """Whether a decision is being recorded or replayed in `model` (Python that must run every forward)."""
+    return any(module.decision_hook is not None for module in _deciders(model).values())
+
+
 @contextmanager
 def _hooks(deciders: dict[str, Decider], make_hook: Callable[[str], Callable]) -> Iterator[None]:
     try:

@@ -17,7 +17,9 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmb
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from modelzoo.cuda_graphs import LayerGraphs
 from modelzoo.deepseek_v4.config import DeepseekV4Args
+from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.attention import DeepseekV4Attention
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
@@ -75,6 +77,37 @@ class DeepseekV4Model(MegatronModule):
             args.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
             gather_output=False)
         self.mtp = DeepseekV4MTP(config, args, attention) if build_mtp and args.num_mtp_layers else None
+        self.layer_graphs: LayerGraphs | None = None
+
+    def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
+        """Capture every decoder layer's forward and backward as CUDA graphs for inputs of this shape.
+
+        Later forwards with inputs of the same shape (and training mode) replay them: one launch per
+        layer and pass instead of hundreds. Other shapes, and forwards that record or replay decisions,
+        run eagerly. Each forward with gradients must have its backward before the next forward (see
+        `modelzoo.cuda_graphs`). Needs a GPU and no host synchronisation inside a layer: tensor and
+        expert parallel size 1 (the expert-parallel dispatcher sizes its groups on the host).
+        """
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            raise ValueError("DeepSeek-V4 CUDA graphs: expert parallelism sizes the expert groups on the host "
+                             "each forward; capture with expert_model_parallel_size 1")
+        self.release_cuda_graphs()
+        if position_ids is None:
+            position_ids = self.default_position_ids(input_ids)
+        with torch.no_grad():
+            streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+        self.layer_graphs = LayerGraphs(self.decoder.layers, streams.requires_grad_(), position_ids, input_ids)
+
+    def release_cuda_graphs(self) -> None:
+        if self.layer_graphs is not None:
+            self.layer_graphs.release()
+            self.layer_graphs = None
+
+    @staticmethod
+    def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """torch_dist checkpoint layout, read from the parameters' own attributes.
@@ -128,11 +161,15 @@ class DeepseekV4Model(MegatronModule):
         i predicts token i + k + 1 (its last k positions have no target).
         """
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            position_ids = self.default_position_ids(input_ids)
         embeddings = self.embed(input_ids)
         streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
-        for layer in self.decoder.layers:
-            streams = layer(streams, position_ids, input_ids)
+        graphs = self.layer_graphs
+        if graphs is not None and graphs.matches(streams, position_ids, input_ids) and not deciding(self):
+            streams = graphs(streams, position_ids, input_ids)
+        else:
+            for layer in self.decoder.layers:
+                streams = layer(streams, position_ids, input_ids)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
         if not return_mtp:
             return logits

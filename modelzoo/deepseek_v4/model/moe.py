@@ -230,8 +230,8 @@ def _dispatch_plan(experts: torch.Tensor, num_experts: int, exact_capacity: bool
     slot_rows = torch.empty_like(flat).scatter_(0, order, row_of_sorted)
     rows = torch.full((capacity + 1,), num_tokens, dtype=torch.long, device=flat.device)
     rows = rows.scatter_(0, slot_rows, torch.arange(slots, device=flat.device) // top_k)[:capacity]
-    group_ends = padded_ends.to(torch.int32)
-    group_ends[-1] = capacity
+    # the last group ends at `capacity` (a fill, not an item assignment: no host-to-device copy under CUDA graphs)
+    group_ends = F.pad(padded_ends[:-1], (0, 1), value=capacity).to(torch.int32)
     return rows, slot_rows.clamp(max=capacity - 1).view(num_tokens, top_k), group_ends
 
 
