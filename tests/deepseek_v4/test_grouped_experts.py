@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelzoo.deepseek_v4.model.moe import GROUP_ALIGNMENT, _dispatch_plan, grouped_linear
+from modelzoo.deepseek_v4.model.moe import GROUP_ALIGNMENT, _dispatch_plan, gather_rows, grouped_linear
 
 
 def _random_assignment(num_tokens: int, top_k: int, num_experts: int, foreign_fraction: float, seed: int):
@@ -28,7 +28,7 @@ def _random_assignment(num_tokens: int, top_k: int, num_experts: int, foreign_fr
 def test_dispatch_plan_places_every_local_slot_in_its_expert_group(num_tokens, top_k, num_experts, foreign_fraction,
                                                                      exact_capacity):
     experts = _random_assignment(num_tokens, top_k, num_experts, foreign_fraction, seed=num_tokens)
-    rows, slot_rows, group_ends = _dispatch_plan(experts, num_experts, exact_capacity)
+    rows, slot_rows, row_slots, group_ends = _dispatch_plan(experts, num_experts, exact_capacity)
 
     local = experts < num_experts
     slots = experts.numel() if not exact_capacity else int(local.sum())
@@ -43,13 +43,43 @@ def test_dispatch_plan_places_every_local_slot_in_its_expert_group(num_tokens, t
     row_expert = torch.bucketize(slot_rows[local], group_ends.long(), right=True)
     assert torch.equal(row_expert, experts[local])
     assert slot_rows[local].unique().numel() == int(local.sum())
+    assert bool((slot_rows[~local] == rows.numel()).all())
+    # row_slots inverts slot_rows: each local slot's row names that slot, every other row names no slot
+    flat_slots = torch.arange(experts.numel()).view(num_tokens, top_k)
+    assert torch.equal(row_slots[slot_rows[local]], flat_slots[local])
     # every other row reads the zero padding row; within an expert, slots keep token order
     unused = torch.ones(rows.numel(), dtype=torch.bool)
     unused[slot_rows[local]] = False
-    assert bool((rows[unused] == num_tokens).all())
+    assert bool((rows[unused] == num_tokens).all()) and bool((row_slots[unused] == experts.numel()).all())
     for expert in range(num_experts):
         expert_rows = slot_rows[experts == expert]
         assert torch.equal(rows[expert_rows.sort().values], token_of_slot[experts == expert])
+
+
+@pytest.mark.parametrize("foreign_fraction", [0.0, 0.5])
+def test_gather_rows_backward_equals_index_select_backward(foreign_fraction):
+    """The dispatch (tokens -> rows) and combine (rows -> slots) gathers with the plan's readers, against
+    index_select's own backward (an index_add). Sums of at most k fp64 terms: compared at 1e-12."""
+    num_tokens, top_k, num_experts, hidden = 29, 3, 4, 8
+    experts = _random_assignment(num_tokens, top_k, num_experts, foreign_fraction, seed=1)
+    rows, slot_rows, row_slots, _ = _dispatch_plan(experts, num_experts, exact_capacity=foreign_fraction > 0)
+    capacity = rows.numel()
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randn(num_tokens + 1, hidden, dtype=torch.float64, generator=generator)
+    expert_output = torch.randn(capacity, hidden, dtype=torch.float64, generator=generator)
+    local = (experts < num_experts).unsqueeze(-1)
+    cases = [  # (source, index, readers, weight of each output row: foreign slots and padding rows weigh 0)
+        (tokens, rows, F.pad(slot_rows, (0, 0, 0, 1), value=capacity), (rows < num_tokens).unsqueeze(-1)),
+        (expert_output, slot_rows.clamp(max=capacity - 1).reshape(-1), row_slots.unsqueeze(1), local.reshape(-1, 1)),
+    ]
+    for source, index, readers, weight in cases:
+        upstream = torch.randn(index.numel(), hidden, dtype=torch.float64, generator=generator) * weight
+        ours = source.clone().requires_grad_()
+        gather_rows(ours, index, readers).backward(upstream)
+        reference = source.clone().requires_grad_()
+        reference.index_select(0, index).backward(upstream)
+        assert torch.equal(gather_rows(source, index, readers), source.index_select(0, index))
+        assert (ours.grad - reference.grad).abs().max() <= 1e-12
 
 
 def test_grouped_linear_multiplies_each_group_by_its_own_expert():
@@ -69,7 +99,7 @@ def test_grouped_linear_on_gpu_matches_one_linear_per_group_forward_and_backward
     """The bf16 grouped GEMM (torch._grouped_mm, private) against the per-group path, gradients included."""
     generator = torch.Generator().manual_seed(0)
     experts = _random_assignment(512, 4, 8, 0.0, seed=1)
-    _, _, group_ends = _dispatch_plan(experts, 8, exact_capacity=False)
+    *_, group_ends = _dispatch_plan(experts, 8, exact_capacity=False)
     rows = int(group_ends[-1])
     x = torch.randn(rows, 256, generator=generator).to(torch.bfloat16)
     weight = (torch.randn(8, 384, 256, generator=generator) * 0.05).to(torch.bfloat16)
