@@ -42,16 +42,24 @@ def _assert_grads_close(actual: dict, expected: dict, factor: float = 1.0):
         assert diff <= GRAPH_GRAD_TOLERANCE * scale, f"{name}: {diff} > {GRAPH_GRAD_TOLERANCE} x {scale}"
 
 
+def _eager_layer_ran(*args, **kwargs):
+    raise AssertionError("a decoder layer ran eagerly where its CUDA graph should have replayed")
+
+
 def test_graphed_layers_match_eager_forward_and_backward(tmp_path):
     ids = random_tokens(2, 128).cuda()
     with runtime.parallel():
         provider, model = _model(tmp_path)
         eager_logprobs, eager_grads = _step(provider, model, ids)
         model.capture_cuda_graphs(ids)
+        for layer in model.decoder.layers:  # from here on a layer's Python forward must not run
+            layer.forward = _eager_layer_ran
         for _ in range(2):  # the second replay runs on the first's leftover buffers
             logprobs, grads = _step(provider, model, ids)
             assert torch.equal(logprobs, eager_logprobs)
             _assert_grads_close(grads, eager_grads)
+        for layer in model.decoder.layers:
+            del layer.forward
         # another shape runs eagerly, and still agrees with the eager model
         other = random_tokens(2, 64, seed=1).cuda()
         graphed_other = _step(provider, model, other)
