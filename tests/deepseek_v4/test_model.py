@@ -77,3 +77,15 @@ def test_fast_attention_matches_exact_forward(tiny):
             provider.load_hf_weights(model, progress=False)
             outputs[attention] = provider.token_logprobs(model, ids)
     assert max_diff(outputs["fast"], outputs["exact"]) <= FAST_TOLERANCE
+
+
+def test_cuda_graph_capture_on_cpu_is_refused_and_the_model_still_runs(tiny):
+    ids = random_tokens(seed=6)
+    with runtime.parallel():
+        provider = provider_for(tiny)
+        model = provider.provide()
+        with pytest.raises(ValueError, match="CUDA graphs need CUDA tensors: the sample inputs are on cpu"):
+            model.capture_cuda_graphs(ids)
+        assert model.layer_graphs is None
+        with torch.no_grad():
+            assert torch.isfinite(provider.token_logprobs(model, ids)).all()

@@ -19,8 +19,8 @@ from torch import nn
 
 from modelzoo.cuda_graphs import LayerGraphs
 from modelzoo.deepseek_v4.config import DeepseekV4Args
-from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.attention import DeepseekV4Attention
+from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
@@ -85,8 +85,9 @@ class DeepseekV4Model(MegatronModule):
         Later forwards with inputs of the same shape (and training mode) replay them: one launch per
         layer and pass instead of hundreds. Other shapes, and forwards that record or replay decisions,
         run eagerly. Each forward with gradients must have its backward before the next forward (see
-        `modelzoo.cuda_graphs`). Needs a GPU and no host synchronisation inside a layer: tensor and
-        expert parallel size 1 (the expert-parallel dispatcher sizes its groups on the host).
+        `modelzoo.cuda_graphs`). Needs bf16 on a GPU and no host synchronisation inside a layer, so
+        expert-parallel size 1 (the expert-parallel dispatcher sizes its groups on the host). Measured
+        and tested at tensor-parallel size 1 only.
         """
         from megatron.core import parallel_state
 
