@@ -16,6 +16,7 @@ from tqdm import tqdm
 from conversion import megatron_ckpt
 from conversion.mapping import MappingError, MappingTable, Rule
 from conversion.safetensors_io import CheckpointReader
+from conversion.transforms import RowBlocks
 
 
 def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -75,7 +76,7 @@ class ShardLayout:
         shape[0] *= self.ep_size
         return torch.Size(shape)
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
+    def shard(self, full: torch.Tensor | RowBlocks) -> torch.Tensor | RowBlocks:
         if self.ep_size > 1:
             full = full.chunk(self.ep_size, dim=0)[self.ep_rank]
         if self.tp_dim is not None:
@@ -124,13 +125,14 @@ def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: Checkp
             )
 
 
-def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> torch.Tensor:
-    """This rank's shard of Megatron tensor `name`, made from the checkpoint; `target` (the parameter,
-    real or on the meta device) gives its shape and parallel layout. The source dtype is kept."""
+def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> RowBlocks:
+    """This rank's shard of Megatron tensor `name`, made from the checkpoint as row blocks of the source
+    tensors (nothing concatenated yet); `target` (the parameter, real or on the meta device) gives its
+    shape and parallel layout. The source dtype is kept."""
     rule, indices = table.for_megatron(name)
     layout = ShardLayout(target)
     sources = [reader.get(hf_name) for hf_name in rule.hf_names(indices)]
-    return layout.shard(rule.transform.to_megatron(sources, layout.full_shape(target), layout.tp_size))
+    return layout.shard(rule.transform.to_megatron_rows(sources, layout.full_shape(target), layout.tp_size))
 
 
 def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader, progress: bool = True) -> None:
@@ -140,12 +142,13 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
     show = progress and megatron_ckpt.rank() == 0
     for name, target in tqdm(tensors.items(), desc="load", unit="tensor", disable=not show, leave=False):
         with torch.no_grad():
-            target.copy_(hf_shard(name, target, table, reader))
+            target.copy_(hf_shard(name, target, table, reader).tensor())
 
 
-def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> Callable[[str], torch.Tensor]:
-    """`weights(name)`: this rank's shard of each tensor of `model` (built on the meta device), made from
-    the checkpoint when asked for (`megatron_ckpt.save(..., weights=...)`); names and shapes checked first."""
+def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> Callable[[str], RowBlocks]:
+    """`weights(name)`: this rank's shard of each tensor of `model` (built on the meta device) as row
+    blocks, made from the checkpoint when asked for (`megatron_ckpt.save(..., weights=...)`); names and
+    shapes checked first."""
     check_checkpoint(model, table, reader)
     tensors = megatron_tensors(model)
     return lambda name: hf_shard(name, tensors[name], table, reader)

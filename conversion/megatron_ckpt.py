@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder
+from conversion.transforms import RowBlocks
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -86,7 +87,7 @@ def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_si
 
 
 def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: list[Path] = (),
-         weights: Callable[[str], torch.Tensor] | None = None, progress: bool = True,
+         weights: Callable[[str], RowBlocks] | None = None, progress: bool = True,
          write_hf_side: Callable[[Path], None] | None = None) -> None:
     """Collective: write `model` (every rank its shard) plus metadata and HF side files, atomically.
 
@@ -94,8 +95,8 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
     else the export will need from the source there (e.g. a quantised source's kept scales).
 
     The writer takes one tensor at a time. `weights`: for a model built on the meta device
-    (`provider.provide_skeleton()`), `weights(name)` makes this rank's tensor `name` when the writer
-    reaches it, so memory stays near one tensor, not the model.
+    (`provider.provide_skeleton()`), `weights(name)` makes this rank's tensor `name` (as
+    `transforms.RowBlocks`) when the writer reaches it, so memory stays near one tensor, not the model.
     """
     from conversion.torch_dist_streaming import ParameterData, streaming_save_strategy
 

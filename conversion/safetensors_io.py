@@ -1,9 +1,11 @@
 """Hugging Face checkpoints on disk: a lazy reader and an atomic sharded writer.
 
 The reader opens `model.safetensors` or the shards listed by `model.safetensors.index.json` and
-reads one tensor at a time; shapes and dtypes come from the headers without reading data. It reads
-into fresh memory rather than memory-mapping the files: pages of a mapping count in the process's
-resident memory until the file is closed, so a streamed conversion would show the whole checkpoint.
+gives one tensor at a time; shapes and dtypes come from the headers without reading data. Each tensor
+is a memory map of its own bytes (`map_file_bytes`), not a copy: the data goes from the page cache
+straight to where it is written, and since the mapping goes when the tensor does, its pages count in
+the process's resident memory only while the tensor is in use (a map of the whole file would show the
+whole checkpoint by the end of a streamed conversion).
 The writer fills shards up to a size bound, writes them into a temporary folder beside the target
 and renames it into place only when everything succeeded, so a failure leaves nothing behind.
 """
@@ -14,6 +16,7 @@ import contextlib
 import io
 import json
 import math
+import mmap
 import os
 import shutil
 import struct
@@ -41,6 +44,18 @@ def _entry_length(name: str, data: torch.Tensor, offset: int) -> int:
     """Bytes of a tensor's entry in a compact safetensors header, with the comma before it."""
     entry = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
     return len(json.dumps({name: entry}, separators=(",", ":"))) - 1
+
+
+def map_file_bytes(file: io.IOBase, offset: int, size: int) -> torch.Tensor:
+    """`size` bytes of an open file from `offset`, as a uint8 tensor over a private (copy-on-write)
+    memory map of just those pages. No copy is made; the mapping is unmapped when the tensor and every
+    view of it are gone. The file must not shrink meanwhile (reading a page past its end kills the
+    process), so callers check sizes against the file first."""
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
+    mapping = mmap.mmap(file.fileno(), offset - start + size, access=mmap.ACCESS_COPY, offset=start)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset - start)
 
 
 class CheckpointError(ValueError):
@@ -132,7 +147,7 @@ class CheckpointReader:
         return self.tensors[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor into a fresh CPU tensor."""
+        """One tensor, mapped from its file (copy-on-write: writing to it leaves the file alone)."""
         info = self.tensors[name]
         offset, size = self._spans[name]
         expected = math.prod(info.shape) * info.dtype.itemsize
@@ -141,17 +156,7 @@ class CheckpointReader:
                                   f"{list(info.shape)} and dtype {info.dtype} need {expected}")
         if info.file not in self._handles:
             self._handles[info.file] = open(info.file, "rb", buffering=0)
-        handle = self._handles[info.file]
-        data = torch.empty(size, dtype=torch.uint8)
-        buffer = memoryview(data.numpy())
-        handle.seek(offset)
-        done = 0
-        while done < size:  # one read returns at most ~2 GiB on Linux
-            count = handle.readinto(buffer[done:])
-            if not count:
-                raise CheckpointError(f"{info.file}: cannot read tensor {name}: the file ends early")
-            done += count
-        return data.view(info.dtype).reshape(info.shape)
+        return map_file_bytes(self._handles[info.file], offset, size).view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         for handle in self._handles.values():

@@ -6,10 +6,12 @@ copies every one of them into write buckets before the first byte is written
 sharded state dict comes from the model built on the meta device (names, global shapes, offsets and
 factories exactly as Megatron makes them, no memory), Megatron translates it to DCP objects as its own
 torch_dist strategy does, and torch's `FileSystemWriter` writes it through a planner that makes each
-tensor's data only when the writer asks for it (`resolve_data`). The files are the ones
-`dist_checkpointing.save` writes (same keys, chunks, `.metadata`, `common.pt`, `metadata.json`);
-`dist_checkpointing.load` and Megatron-LM read them. Reading back a bounded group at a time needs no
-private API: `dist_checkpointing.load` accepts a partial sharded state dict.
+tensor's data only when the writer asks for it (`resolve_data`), straight from where it lies (a memory
+map of the source file) when it can. The files are the ones `dist_checkpointing.save` writes (same
+keys, chunks, `.metadata`, `common.pt`, `metadata.json`, byte for byte); `dist_checkpointing.load` and
+Megatron-LM read them. Reading back a bounded group at a time: `dist_checkpointing.load` accepts a
+partial sharded state dict; its strategy here is Megatron's with a reader that copies each tensor
+once, from a memory map of the file, where torch's copies it three times.
 
 This is the one place where `conversion` relies on private behaviour of Megatron-Core 0.19 and torch
 (tests: tests/test_streaming_checkpoint.py):
@@ -25,15 +27,30 @@ This is the one place where `conversion` relies on private behaviour of Megatron
 |                                                             | meta tensors have no data pointer, and the     |
 |                                                             | factories (SwiGLU's [gate; up] split) and the  |
 |                                                             | DCP translation hand on views, not parameters  |
+| the same two functions and `_replace_sharded_keys_with_     | the translation `TorchDistLoadShardedStrategy. |
+| state_dict_keys`, `_restore_dict_types`, `_unwrap_pyt_      | load` does, so that loading is Megatron's;     |
+| sharded_tensor`, `MCoreLoadPlanner` (same module),          | only the reader is replaced                    |
+| `TorchDistLoadShardedStrategy.load` overridden              |                                                |
+| `FileSystemReader.read_data` overridden, its `storage_data` | torch's reader copies each tensor three times  |
+| and `_slice_file`; `_shard._utils.narrow_tensor_by_index`   | (read, `torch.load`, into the target); ours    |
+|                                                             | once, from a memory map                        |
+| `UntypedStorage._checkpoint_offset`, set by `torch.load(..., | where a DCP item's tensor data starts in its   |
+| map_location="meta")`                                       | `torch.save` zip (torch's own experimental DCP |
+|                                                             | checkpoint reader reads it the same way)       |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
+
+from conversion.safetensors_io import map_file_bytes
+from conversion.transforms import RowBlocks
 
 
 def storage_id(tensor: torch.Tensor) -> int:
@@ -46,14 +63,27 @@ def view_like(real: torch.Tensor, meta_view: torch.Tensor) -> torch.Tensor:
     return real.as_strided(meta_view.size(), meta_view.stride(), real.storage_offset() + meta_view.storage_offset())
 
 
+def row_span(meta_view: torch.Tensor, meta_param: torch.Tensor) -> tuple[int, int] | None:
+    """(first row, number of rows) when `meta_view` is whole consecutive rows of `meta_param`, else None."""
+    row = math.prod(meta_param.shape[1:])
+    if (meta_param.dim() == 0 or not meta_param.is_contiguous() or not meta_view.is_contiguous() or row == 0
+            or meta_view.shape[1:] != meta_param.shape[1:]):
+        return None
+    offset = meta_view.storage_offset() - meta_param.storage_offset()
+    return (offset // row, meta_view.shape[0]) if offset % row == 0 else None
+
+
 class ParameterData:
     """Real data for the views of a meta model's parameters, made by `make(name)` one parameter at a time.
 
     Keeps the last parameter made: the writer asks for the pieces of one parameter (the two halves of
     a SwiGLU fc1) one after the other, so each parameter is made once and memory stays one parameter.
+    `make` gives the parameter as row blocks (`RowBlocks`); a piece that is whole rows is taken from the
+    blocks holding them, with no copy when that is one block (each half of a TP-1 fc1 is the HF gate or
+    up tensor, itself a map of the source file), so only pieces across blocks (a fused QKV) are copied.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], make: Callable[[str], torch.Tensor], progress: bool):
+    def __init__(self, params: dict[str, torch.Tensor], make: Callable[[str], RowBlocks], progress: bool):
         self.params = params
         self.name_of = {storage_id(param): name for name, param in params.items()}
         self.make = make
@@ -65,19 +95,34 @@ class ParameterData:
         if name is None:
             raise RuntimeError("a meta tensor of the sharded state dict is not a view of any parameter "
                                f"(shape {list(meta_view.shape)}): cannot make its data")
+        param = self.params[name]
         if self.last is None or self.last[0] != name:
             self.last = None  # free the previous parameter before making the next
-            param = self.params[name]
-            real = self.make(name).to(param.dtype)
-            if real.shape != param.shape:
-                raise RuntimeError(f"{name}: made a tensor of shape {list(real.shape)}, the model has {list(param.shape)}")
-            self.last = (name, real.contiguous())
+            rows = self.make(name).to(param.dtype)
+            if rows.shape != param.shape:
+                raise RuntimeError(f"{name}: made a tensor of shape {list(rows.shape)}, the model has {list(param.shape)}")
+            self.last = (name, rows)
             self.bar.update()
-        return view_like(self.last[1], meta_view)
+        rows = self.last[1]
+        span = row_span(meta_view, param)
+        if span is None:
+            return view_like(rows.tensor().contiguous(), meta_view)
+        return rows.narrow(0, *span).tensor()
 
     def close(self) -> None:
         self.last = None
         self.bar.close()
+
+
+def with_own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on a storage of exactly its bytes, as torch.save must get it (it writes a tensor's whole
+    storage, and a view's is larger); copies only a tensor that is not contiguous."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    # numpy's array over the view's bytes (it keeps the view alive) becomes the new tensor's storage
+    return torch.from_numpy(tensor.reshape(-1).view(torch.uint8).numpy()).view(tensor.dtype).view(tensor.shape)
 
 
 def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None):
@@ -123,9 +168,7 @@ def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None)
                 for item in items:
                     resolved = planner.resolve_data(item)
                     if item.type != WriteItemType.BYTE_IO:
-                        resolved = resolved.detach()
-                        if resolved.untyped_storage().nbytes() != resolved.nbytes:
-                            resolved = resolved.clone()  # torch.save writes a view's whole storage
+                        resolved = with_own_storage(resolved.detach())
                     results.append(_write_item(self.transforms, stream, resolved, item, file_name,
                                                SerializationFormat.TORCH_SAVE))
                     del resolved
@@ -145,21 +188,149 @@ def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None)
     return StreamingSaveStrategy()
 
 
-def with_real_data(sharded, real_by_storage: dict[int, torch.Tensor]):
-    """A sharded-state-dict entry (ShardedTensor or factory) with its meta data swapped for real tensors."""
-    return dataclasses.replace(sharded, data=view_like(real_by_storage[storage_id(sharded.data)], sharded.data))
+def streaming_load_strategy():
+    """A `dist_checkpointing.load` strategy that copies each tensor at most once, from a memory map of
+    its bytes in the file into its target (torch's `FileSystemReader` reads each item into a buffer,
+    `torch.load`s that into new memory and copies the result into the target: three copies). A target
+    whose storage the caller put in the strategy's `deferred` (storage ids) gets no copy: the strategy's
+    `pieces` collects `(target, data on the map)` for the caller to take (`load_groups`)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        TorchDistLoadShardedStrategy,
+        _replace_sharded_keys_with_state_dict_keys,
+        _replace_state_dict_keys_with_sharded_keys,
+        _restore_dict_types,
+        _unwrap_pyt_sharded_tensor,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed import checkpoint
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class MappedReader(checkpoint.FileSystemReader):
+        """torch's FileSystemReader with `read_data` copying each tensor once. Where the tensor's bytes
+        are in its item (a `torch.save` zip) and how it lies on them come from `torch.load` of the item
+        onto the meta device, which reads the item's pickle and records the data's offset; the items of
+        torch's stream transforms (none in Megatron's files) go through torch's own reader."""
+
+        def __init__(self, path, deferred: set[int], pieces: list[tuple[torch.Tensor, torch.Tensor]]):
+            super().__init__(path)
+            self.deferred, self.pieces = deferred, pieces
+
+        def read_data(self, plan, planner):
+            if any(self.storage_data[item.storage_index].transform_descriptors for item in plan.items):
+                return super().read_data(plan, planner)
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for relative_path, items in per_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                    for item in items:
+                        info = self.storage_data[item.storage_index]
+                        if item.type == LoadItemType.BYTE_IO:
+                            stream.seek(info.offset)
+                            planner.load_bytes(item, io.BytesIO(stream.read(info.length)))
+                            continue
+                        saved = self._mapped_tensor(stream, info)
+                        data = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+                        target = planner.resolve_tensor(item).detach()
+                        if target.size() != data.size():
+                            raise RuntimeError(f"{item.storage_index}: the checkpoint has a piece of shape "
+                                               f"{list(data.size())}, the target is {list(target.size())}")
+                        if storage_id(target) in self.deferred:
+                            self.pieces.append((target, data))
+                        else:
+                            target.copy_(data)
+                        planner.commit_tensor(item, target)
+            future = Future()
+            future.set_result(None)
+            return future
+
+        def _mapped_tensor(self, stream, info) -> torch.Tensor:
+            """The tensor an item holds, on a memory map of its bytes."""
+            layout = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+            storage = layout.untyped_storage()
+            start, size = storage._checkpoint_offset, storage.nbytes()
+            if start + size > info.length:
+                raise RuntimeError(f"{info.relative_path}: the item at byte {info.offset} holds {info.length} "
+                                   f"bytes, its tensor's data would end at byte {start + size}")
+            data = map_file_bytes(stream, info.offset + start, size).view(layout.dtype)
+            return data.as_strided(layout.size(), layout.stride(), layout.storage_offset())
+
+    class StreamingLoadStrategy(TorchDistLoadShardedStrategy):
+        def __init__(self):
+            super().__init__()
+            self.deferred: set[int] = set()
+            self.pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def load(self, sharded_state_dict, checkpoint_dir, async_strategy="mcore"):
+            # TorchDistLoadShardedStrategy.load (Megatron-Core 0.19.2, default settings), its reader replaced
+            sharded_tensors = [value for value in nested_values(sharded_state_dict) if isinstance(value, ShardedTensor)]
+            flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+            pyt_state_dict = mcore_to_pyt_state_dict(flat, True)
+            planner = MCoreLoadPlanner(
+                shapes_validation_sharded_tensors=[t for t in sharded_tensors if not t.allow_shape_mismatch],
+                allow_shape_mismatch_sharded_tensors={t.key: t for t in sharded_tensors if t.allow_shape_mismatch},
+                stream_ckpt_dequant=self.stream_ckpt_dequant, flatten_state_dict=False, flatten_sharded_tensors=False)
+            checkpoint.load(pyt_state_dict, MappedReader(checkpoint_dir, self.deferred, self.pieces), planner=planner, no_dist=True)
+            loaded = {key: _unwrap_pyt_sharded_tensor(value) for key, value in pyt_state_dict.items()}
+            loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
+            _restore_dict_types(loaded, sharded_state_dict)
+            return loaded
+
+    return StreamingLoadStrategy()
+
+
+def with_real_data(sharded, real: torch.Tensor):
+    """A sharded-state-dict entry (ShardedTensor or factory) with its meta data swapped for the same view
+    of `real` (its parameter's real tensor)."""
+    return dataclasses.replace(sharded, data=view_like(real, sharded.data))
+
+
+def assembled(name: str, real: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+              loaded: torch.Tensor) -> torch.Tensor:
+    """Tensor `name` from the data read for its targets (views of `real`, not yet written): that data
+    itself when one piece is the whole tensor (no copy), else the pieces copied together into new
+    memory (not into `real`: a factory's merge has read it, and writing pages the kernel mapped for a
+    read faults on each one). With no pieces (a factory whose pieces are not views of its tensor: the
+    reader copied into them), what the load made of them (`loaded`, the factory's merge)."""
+    if not pieces:
+        return loaded
+    if sum(target.numel() for target, _ in pieces) != real.numel():
+        raise RuntimeError(f"{name}: the checkpoint gave {sum(target.numel() for target, _ in pieces)} of its "
+                           f"{real.numel()} elements")
+    if len(pieces) == 1:
+        target, data = pieces[0]
+        if target.is_contiguous() and target.storage_offset() == real.storage_offset():
+            return data.reshape(real.shape).to(real.dtype)
+    whole = torch.empty_like(real)
+    for target, data in pieces:
+        view_like(whole, target).copy_(data)
+    return whole
 
 
 def load_groups(sharded_state_dict: dict, params: dict[str, torch.Tensor], groups: list[list[str]],
                 folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: `(name, this rank's tensor)` for every name of `groups`, one `dist_checkpointing.load`
-    per group (a partial sharded state dict), so that only one group is in memory at a time."""
+    per group (a partial sharded state dict), so that only one group is in memory at a time. The load
+    copies nothing into the group's tensors (`deferred`): a tensor stored in one piece comes back on a
+    memory map of the file, and its new tensor, never written, costs no memory; one stored in several
+    (a SwiGLU fc1's halves, a tensor written at another TP size) is copied together into its own."""
     from megatron.core import dist_checkpointing
 
+    strategy = streaming_load_strategy()
     for group in groups:
-        real = {storage_id(params[name]): torch.empty(params[name].shape, dtype=params[name].dtype) for name in group}
-        part = {name: with_real_data(sharded_state_dict[name], real) for name in group}
-        del real
-        loaded = dist_checkpointing.load({"model": part}, folder)["model"]
+        real = {name: torch.empty(params[name].shape, dtype=params[name].dtype) for name in group}
+        name_of = {storage_id(tensor): name for name, tensor in real.items()}
+        part = {name: with_real_data(sharded_state_dict[name], real[name]) for name in group}
+        strategy.deferred = set(name_of)
+        loaded = dist_checkpointing.load({"model": part}, folder, sharded_strategy=strategy)["model"]
+        pieces: dict[str, list] = {name: [] for name in group}
+        for target, data in strategy.pieces:
+            pieces[name_of[storage_id(target)]].append((target, data))
+        strategy.pieces.clear()
         for name in group:
-            yield name, loaded.pop(name)
+            yield name, assembled(name, real.pop(name), pieces.pop(name), loaded.pop(name))

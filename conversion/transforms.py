@@ -3,7 +3,8 @@
 A transform works on *full* tensors. On the Megatron side "full" means the concatenation of every
 tensor-parallel rank's shard along the parameter's partition dimension, so that the engine can
 shard and gather with a plain chunk / cat whatever the layout inside a shard is. Transforms whose
-full layout depends on the TP size (the fused [gate; up] of a SwiGLU MLP) receive it.
+full layout depends on the TP size (the fused [gate; up] of a SwiGLU MLP) receive it. Towards Megatron
+a transform makes the tensor as `RowBlocks` (its rows, block by block, not yet concatenated).
 
 Every transform keeps the source dtype: values are only moved, never recomputed.
 """
@@ -13,11 +14,53 @@ from __future__ import annotations
 import torch
 
 
+class RowBlocks:
+    """A tensor held as consecutive blocks of rows (dim 0), concatenated only when asked (`tensor()`).
+
+    What the transforms make a Megatron tensor as: the fused ones are the checkpoint's tensors (or
+    slices of them) row block after row block, so a consumer that needs only some rows, like the
+    streaming writer for one half of a SwiGLU fc1, takes them where they are instead of from a copy.
+    """
+
+    def __init__(self, blocks: list[torch.Tensor]):
+        self.blocks = blocks
+        self.shape = torch.Size([sum(block.shape[0] for block in blocks), *blocks[0].shape[1:]])
+        self.dtype = blocks[0].dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> RowBlocks:
+        """`Tensor.narrow`: no block is copied."""
+        if dim != 0:
+            return RowBlocks([block.narrow(dim, start, length) for block in self.blocks])
+        picked, first = [], 0
+        for block in self.blocks:
+            begin, end = max(start - first, 0), min(start + length - first, block.shape[0])
+            if begin < end:
+                picked.append(block[begin:end])
+            first += block.shape[0]
+        return RowBlocks(picked or [self.blocks[0][:0]])
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[RowBlocks]:
+        """`Tensor.chunk` (what `engine.ShardLayout.shard` splits a tensor with)."""
+        total = self.shape[dim]
+        size = -(-total // chunks)
+        return [self.narrow(dim, start, min(size, total - start)) for start in range(0, total, size)]
+
+    def to(self, dtype: torch.dtype) -> RowBlocks:
+        return RowBlocks([block.to(dtype) for block in self.blocks])
+
+    def tensor(self) -> torch.Tensor:
+        """The whole tensor: the only block itself, else the blocks concatenated (a copy)."""
+        return self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)
+
+
 class Transform:
-    """`to_megatron(hf_tensors, megatron_shape, tp) -> tensor` and `to_hf(tensor, tp) -> hf_tensors`."""
+    """`to_megatron_rows(hf_tensors, megatron_shape, tp) -> RowBlocks` and `to_hf(tensor, tp) -> hf_tensors`."""
+
+    def to_megatron_rows(self, hf: list[torch.Tensor], megatron_shape: torch.Size, tp: int) -> RowBlocks:
+        raise NotImplementedError
 
     def to_megatron(self, hf: list[torch.Tensor], megatron_shape: torch.Size, tp: int) -> torch.Tensor:
-        raise NotImplementedError
+        return self.to_megatron_rows(hf, megatron_shape, tp).tensor()
 
     def to_hf(self, megatron: torch.Tensor, tp: int) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -26,9 +69,9 @@ class Transform:
 class Direct(Transform):
     """One tensor, same layout on both sides (norms, dense projections, replicated or TP-split)."""
 
-    def to_megatron(self, hf, megatron_shape, tp):
+    def to_megatron_rows(self, hf, megatron_shape, tp):
         (tensor,) = hf
-        return tensor
+        return RowBlocks([tensor])
 
     def to_hf(self, megatron, tp):
         return [megatron]
@@ -46,12 +89,12 @@ class PadVocab(Transform):
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def to_megatron(self, hf, megatron_shape, tp):
+    def to_megatron_rows(self, hf, megatron_shape, tp):
         (tensor,) = hf
         padding = megatron_shape[0] - tensor.shape[0]
         if padding == 0:
-            return tensor
-        return torch.cat([tensor, tensor.new_zeros((padding, *tensor.shape[1:]))])
+            return RowBlocks([tensor])
+        return RowBlocks([tensor, tensor.new_zeros((padding, *tensor.shape[1:]))])
 
     def to_hf(self, megatron, tp):
         return [megatron[: self.vocab_size]]
@@ -70,15 +113,12 @@ class FusedQKV(Transform):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
-    def to_megatron(self, hf, megatron_shape, tp):
+    def to_megatron_rows(self, hf, megatron_shape, tp):
         q, k, v = hf
         groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         tail = q.shape[1:]
-        fused = torch.cat(
-            [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)],
-            dim=1,
-        )
-        return fused.reshape(groups * (per_group + 2) * d, *tail)
+        grouped = zip(q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail))
+        return RowBlocks([block for group in grouped for block in group])
 
     def to_hf(self, megatron, tp):
         groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -97,13 +137,13 @@ class FusedGateUp(Transform):
     Each TP rank holds [gate_r; up_r], so the full tensor is [gate_0; up_0; gate_1; up_1; ...].
     """
 
-    def to_megatron(self, hf, megatron_shape, tp):
+    def to_megatron_rows(self, hf, megatron_shape, tp):
         gate, up = hf
-        return torch.cat([part for pair in zip(gate.chunk(tp), up.chunk(tp)) for part in pair])
+        return RowBlocks([part for pair in zip(gate.chunk(tp), up.chunk(tp)) for part in pair])
 
     def to_hf(self, megatron, tp):
         shards = [shard.chunk(2) for shard in megatron.chunk(tp)]
-        return [torch.cat([gate for gate, _ in shards]), torch.cat([up for _, up in shards])]
+        return [RowBlocks([gate for gate, _ in shards]).tensor(), RowBlocks([up for _, up in shards]).tensor()]
 
     def __repr__(self) -> str:
         return "FusedGateUp()"
@@ -112,8 +152,8 @@ class FusedGateUp(Transform):
 class Stack(Transform):
     """N tensors of one shape <-> one tensor with a new leading dimension (per-expert weights)."""
 
-    def to_megatron(self, hf, megatron_shape, tp):
-        return torch.stack(hf)
+    def to_megatron_rows(self, hf, megatron_shape, tp):
+        return RowBlocks([tensor.unsqueeze(0) for tensor in hf])
 
     def to_hf(self, megatron, tp):
         return list(megatron.unbind(0))

@@ -28,6 +28,19 @@ def test_sharded_write_then_read_is_exact(tmp_path):
         assert got.dtype == tensor.dtype and torch.equal(got, tensor)
 
 
+def test_read_tensors_map_the_file_and_writing_to_them_leaves_it_alone(tmp_path):
+    source = tensors()
+    save_file(source, tmp_path / "model.safetensors")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    reader = CheckpointReader(tmp_path)
+    got = reader.get("layer.3.weight")
+    assert got.untyped_storage().nbytes() == got.nbytes  # its own bytes, not the file's
+    got.zero_()
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert torch.equal(reader.get("layer.3.weight"), source["layer.3.weight"])
+    reader.close()
+
+
 def test_writer_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with ShardedWriter(tmp_path / "out", max_shard_bytes=100) as writer:

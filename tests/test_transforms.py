@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conversion.mapping import MappingError, MappingTable, Rule
-from conversion.transforms import Direct, FusedGateUp, FusedQKV, PadVocab, Stack
+from conversion.transforms import Direct, FusedGateUp, FusedQKV, PadVocab, RowBlocks, Stack
 
 
 @settings(max_examples=30, deadline=None)
@@ -25,6 +25,28 @@ def test_fused_qkv_round_trip_and_layout(kv_heads, per_group, head_dim, hidden):
         rows += [k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]]
     assert torch.equal(fused, torch.cat(rows))
     assert all(torch.equal(a, b) for a, b in zip(transform.to_hf(fused, tp=1), [q, k, v]))
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(st.integers(1, 5), min_size=1, max_size=4), chunks=st.integers(1, 4), data=st.data())
+def test_row_blocks_narrow_and_chunk_like_the_concatenated_tensor(rows, chunks, data):
+    blocks = [torch.randn(n, 6) for n in rows]
+    whole, lazy = torch.cat(blocks), RowBlocks(blocks)
+    start = data.draw(st.integers(0, whole.shape[0] - 1))
+    length = data.draw(st.integers(1, whole.shape[0] - start))
+    assert lazy.shape == whole.shape and torch.equal(lazy.narrow(0, start, length).tensor(), whole.narrow(0, start, length))
+    assert torch.equal(lazy.narrow(1, 2, 3).tensor(), whole.narrow(1, 2, 3))
+    for dim in (0, 1):
+        pieces = lazy.chunk(chunks, dim)
+        assert len(pieces) == len(whole.chunk(chunks, dim))
+        assert all(torch.equal(piece.tensor(), part) for piece, part in zip(pieces, whole.chunk(chunks, dim)))
+
+
+def test_rows_within_one_block_are_that_block_not_a_copy():
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    rows = FusedGateUp().to_megatron_rows([gate, up], None, tp=1)
+    assert rows.narrow(0, 0, 8).tensor().data_ptr() == gate.data_ptr()
+    assert rows.narrow(0, 8, 8).tensor().data_ptr() == up.data_ptr()
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
