@@ -2,7 +2,7 @@
 
 The reader opens `model.safetensors` or the shards listed by `model.safetensors.index.json` and
 gives one tensor at a time; shapes and dtypes come from the headers without reading data. Each tensor
-is a memory map of its own bytes (`map_file_bytes`), not a copy: the data goes from the page cache
+(of 1 MiB or more) is a memory map of its own bytes (`file_bytes`), not a copy: the data goes from the page cache
 straight to where it is written, and since the mapping goes when the tensor does, its pages count in
 the process's resident memory only while the tensor is in use (a map of the whole file would show the
 whole checkpoint by the end of a streamed conversion).
@@ -46,13 +46,22 @@ def _entry_length(name: str, data: torch.Tensor, offset: int) -> int:
     return len(json.dumps({name: entry}, separators=(",", ":"))) - 1
 
 
-def map_file_bytes(file: io.IOBase, offset: int, size: int) -> torch.Tensor:
-    """`size` bytes of an open file from `offset`, as a uint8 tensor over a private (copy-on-write)
-    memory map of just those pages. No copy is made; the mapping is unmapped when the tensor and every
-    view of it are gone. The file must not shrink meanwhile (reading a page past its end kills the
-    process), so callers check sizes against the file first."""
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
+# A map holds a file descriptor (and at least a page) for as long as its tensor lives, and an export
+# group can hold thousands of small tensors at once: below this size a tensor's bytes are read instead.
+MAP_MIN_BYTES = 1 << 20
+
+
+def file_bytes(file: io.IOBase, offset: int, size: int) -> torch.Tensor:
+    """`size` bytes of an open file from `offset` as a uint8 tensor: from `MAP_MIN_BYTES` on, a private
+    (copy-on-write) memory map of just those pages, no copy, unmapped when the tensor and every view
+    of it are gone; smaller, a copy in fresh memory. The file must not shrink meanwhile (reading a
+    mapped page past its end kills the process), so callers check sizes against the file first."""
+    if size < MAP_MIN_BYTES:
+        data = os.pread(file.fileno(), size, offset)
+        if len(data) != size:
+            raise CheckpointError(f"{getattr(file, 'name', 'a file')} ends before byte {offset + size}, the end of "
+                                  f"the {size} bytes read from byte {offset}")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
     mapping = mmap.mmap(file.fileno(), offset - start + size, access=mmap.ACCESS_COPY, offset=start)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset - start)
@@ -156,7 +165,7 @@ class CheckpointReader:
                                   f"{list(info.shape)} and dtype {info.dtype} need {expected}")
         if info.file not in self._handles:
             self._handles[info.file] = open(info.file, "rb", buffering=0)
-        return map_file_bytes(self._handles[info.file], offset, size).view(info.dtype).reshape(info.shape)
+        return file_bytes(self._handles[info.file], offset, size).view(info.dtype).reshape(info.shape)
 
     def close(self) -> None:
         for handle in self._handles.values():

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import map_file_bytes
+from conversion.safetensors_io import file_bytes
 from conversion.transforms import RowBlocks
 
 
@@ -257,7 +257,7 @@ def streaming_load_strategy():
             if start + size > info.length:
                 raise RuntimeError(f"{info.relative_path}: the item at byte {info.offset} holds {info.length} "
                                    f"bytes, its tensor's data would end at byte {start + size}")
-            data = map_file_bytes(stream, info.offset + start, size).view(layout.dtype)
+            data = file_bytes(stream, info.offset + start, size).view(layout.dtype)
             return data.as_strided(layout.size(), layout.stride(), layout.storage_offset())
 
     class StreamingLoadStrategy(TorchDistLoadShardedStrategy):

@@ -1,12 +1,13 @@
 """The lazy reader and the atomic sharded writer."""
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader, ShardedWriter
+from conversion.safetensors_io import INDEX_FILE, MAP_MIN_BYTES, CheckpointError, CheckpointReader, ShardedWriter
 
 
 def tensors():
@@ -29,15 +30,33 @@ def test_sharded_write_then_read_is_exact(tmp_path):
 
 
 def test_read_tensors_map_the_file_and_writing_to_them_leaves_it_alone(tmp_path):
-    source = tensors()
+    # "a.small" first, so that the mapped tensor starts inside a page; both sizes: mapped and read
+    source = {"a.small": torch.randn(5), "b.large": torch.randn(MAP_MIN_BYTES // 4 + 3)}
     save_file(source, tmp_path / "model.safetensors")
     before = (tmp_path / "model.safetensors").read_bytes()
     reader = CheckpointReader(tmp_path)
-    got = reader.get("layer.3.weight")
-    assert got.untyped_storage().nbytes() == got.nbytes  # its own bytes, not the file's
-    got.zero_()
-    assert (tmp_path / "model.safetensors").read_bytes() == before
-    assert torch.equal(reader.get("layer.3.weight"), source["layer.3.weight"])
+    for name in source:
+        got = reader.get(name)
+        assert got.untyped_storage().nbytes() == got.nbytes  # its own bytes, not the file's
+        got.zero_()
+        assert (tmp_path / "model.safetensors").read_bytes() == before
+        assert torch.equal(reader.get(name), source[name])
+    reader.close()
+
+
+def test_small_tensors_held_at_once_hold_no_file_descriptors(tmp_path):
+    # each memory map holds a descriptor while its tensor lives: a group of thousands of small tensors
+    # (an export's) would run out of them, so tensors under MAP_MIN_BYTES are read instead
+    small = {f"norm.{i}": torch.full((64,), float(i)) for i in range(2000)}
+    large = torch.arange(MAP_MIN_BYTES // 4, dtype=torch.float32)
+    save_file({**small, "large": large}, tmp_path / "model.safetensors")
+    reader = CheckpointReader(tmp_path)
+    held = [reader.get("norm.0")]  # opens the file
+    descriptors = len(os.listdir("/proc/self/fd"))
+    held += [reader.get(name) for name in list(small)[1:]]
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert all(torch.equal(got, small[name]) for got, name in zip(held, small))
+    assert torch.equal(reader.get("large"), large)
     reader.close()
 
 
