@@ -88,12 +88,20 @@ def our_model(folder: Path, attention: str):
     return provider, model
 
 
-def capturing_first(model, ids, step):
-    def first_captures():
+def our_step(folder: Path, ids: torch.Tensor, path: str):
+    """(model, training step) of one `--paths` entry: an attention path, "+graphs" to capture the decoder
+    layers' CUDA graphs in the first step."""
+    attention, _, graphs = path.partition("+")
+    provider, model = our_model(folder, attention)
+    step = megatron_step(provider, model, ids)
+    if not graphs:
+        return model, step
+
+    def capturing_first():
         if model.layer_graphs is None:
             model.capture_cuda_graphs(ids)
         return step()
-    return first_captures
+    return model, capturing_first
 
 
 def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
@@ -101,12 +109,8 @@ def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
 
     from modelzoo import runtime
 
-    attention, _, graphs = path.partition("+")
     with runtime.parallel(tp=1):
-        provider, model = our_model(folder, attention)
-        step = megatron_step(provider, model, ids)
-        if graphs:
-            step = capturing_first(model, ids, step)
+        _, step = our_step(folder, ids, path)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -163,11 +167,7 @@ def main() -> None:
     del hf
     with runtime.parallel(tp=1):
         for path in args.paths.split(","):
-            attention, _, graphs = path.partition("+")
-            provider, model = our_model(folder, attention)
-            step = megatron_step(provider, model, ids)
-            if graphs:  # "fast+graphs": capture the decoder layers' CUDA graphs in the first step
-                step = capturing_first(model, ids, step)
+            model, step = our_step(folder, ids, path)
             record(f"megatron deepseek_v4 ({path})", step)
             model.release_cuda_graphs()
             del model, step

@@ -105,8 +105,10 @@ class ParameterData:
             self.bar.update()
         rows = self.last[1]
         span = row_span(meta_view, param)
-        if span is None:
-            return view_like(rows.tensor().contiguous(), meta_view)
+        if span is None:  # concatenated once, kept for the parameter's other pieces
+            whole = rows.tensor().contiguous()
+            self.last = (name, RowBlocks([whole]))
+            return view_like(whole, meta_view)
         return rows.narrow(0, *span).tensor()
 
     def close(self) -> None:

@@ -98,7 +98,7 @@ class DeepseekV4Model(MegatronModule):
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids)
         with torch.no_grad():
-            streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+            streams = self.input_streams(input_ids)
         self.layer_graphs = LayerGraphs(self.decoder.layers, streams.requires_grad_(), position_ids, input_ids)
 
     def release_cuda_graphs(self) -> None:
@@ -150,6 +150,10 @@ class DeepseekV4Model(MegatronModule):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding.word_embeddings(input_ids)
 
+    def input_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's residual streams: the embeddings copied into hc_mult streams [B, S, N, H]."""
+        return self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+
     def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm) -> torch.Tensor:
         logits, _ = self.output_layer(final_layernorm(hc_head(streams)))
         return logits
@@ -163,8 +167,7 @@ class DeepseekV4Model(MegatronModule):
         """
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids)
-        embeddings = self.embed(input_ids)
-        streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+        streams = self.input_streams(input_ids)
         graphs = self.layer_graphs
         if graphs is not None and graphs.matches(streams, position_ids, input_ids) and not deciding(self):
             streams = graphs(streams, position_ids, input_ids)
