@@ -64,19 +64,22 @@ def test_round_trip_is_bit_exact(tiny):
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-def test_fast_attention_matches_exact_forward(tiny):
-    # flex_attention's unfused CPU reference (torch has no CPU backward for it; tests/deepseek_v4/
-    # test_fast_attention_gpu.py checks gradients on a GPU). FAST_TOLERANCE = 1e-5: the same scores, a
-    # different softmax (log-sum-exp, sink folded in afterwards) moves results by ~1e-7.
+def test_fast_attention_matches_exact_forward_and_backward(tiny):
+    # FAST_TOLERANCE = 1e-5 on log-probabilities and relative gradients: the same fp32 scores, a different
+    # softmax (blocks, log-sum-exp) and a hand-written backward move results by ~1e-7.
     ids = random_tokens(seed=5)
-    outputs = {}
-    with runtime.parallel(), torch.no_grad():
+    outputs, grads = {}, {}
+    with runtime.parallel():
         for attention in ("exact", "fast"):
             provider = provider_for(tiny, attention=attention)
             model = provider.provide()
             provider.load_hf_weights(model, progress=False)
             outputs[attention] = provider.token_logprobs(model, ids)
+            (-outputs[attention].mean()).backward()
+            grads[attention] = megatron_grads_as_hf(provider, model)
     assert max_diff(outputs["fast"], outputs["exact"]) <= FAST_TOLERANCE
+    for name, reference in grads["exact"].items():  # zero where neither has a path (MTP, the indexer's top-k)
+        assert max_diff(grads["fast"][name], reference) <= FAST_TOLERANCE * reference.abs().max().item(), name
 
 
 def test_cuda_graph_capture_on_cpu_is_refused_and_the_model_still_runs(tiny):

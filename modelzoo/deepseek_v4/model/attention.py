@@ -27,6 +27,7 @@ from torch import nn
 from modelzoo.attention import compiled_flex_attention, in_window, sliding_block_mask, window_mask
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
+from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
     RMSNorm,
@@ -193,13 +194,11 @@ class DeepseekV4Attention(nn.Module):
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
 
         if self.attention == "fast":
-            visible, ratio = None, None
-            if kv.shape[2] > seq_len:
-                if self.compressor.overlap:  # CSA: the indexer's per-query picks
-                    visible = block_bias[:, 0] == 0
-                else:                        # HCA: every complete window (the causal rule, no tensor)
-                    ratio = self.compressor.ratio if seq_len > 1 else 1
-            out = flex_sink_attention(q, kv, self.sliding_window, self.sinks, self.scaling, visible, ratio)
+            visible = None
+            if kv.shape[2] > seq_len:  # CSA: the indexer's picks; HCA: the complete windows (one query: all)
+                visible = (block_bias[:, 0] == 0 if block_bias is not None
+                           else torch.ones(1, seq_len, kv.shape[2] - seq_len, dtype=torch.bool, device=kv.device))
+            out = window_sink_attention(q, kv, self.sinks, self.scaling, self.sliding_window, visible)
         else:
             allowed = window_mask(seq_len, self.sliding_window, hidden_states.device)
             mask = torch.zeros(seq_len, seq_len, dtype=q.dtype, device=q.device)
