@@ -17,9 +17,9 @@ TOLERANCE = 1e-5
 
 
 def oracle(q, kv, sinks, scale, window, compressed_visible):
-    """q [B, h, S, D], kv [B, 1, S + C, D], compressed_visible [B or 1, S, C] -> [B, S, h, D] (float64)."""
-    batch, heads, seq_len, _ = q.shape
-    q, kv, sinks = q.double(), kv[:, 0].double(), sinks.double()
+    """q [B, S, h, D], kv [B, S + C, D], compressed_visible [B or 1, S, C] -> [B, S, h, D] (float64)."""
+    batch, seq_len, heads, _ = q.shape
+    q, kv, sinks = q.double(), kv.double(), sinks.double()
     rows = []
     for b in range(batch):
         for t in range(seq_len):
@@ -28,7 +28,7 @@ def oracle(q, kv, sinks, scale, window, compressed_visible):
                 visible = compressed_visible[min(b, compressed_visible.shape[0] - 1), t]
                 keys += [seq_len + c for c in range(visible.shape[0]) if visible[c]]
             values = kv[b, keys]                                                      # [keys, D]
-            logits = torch.cat([q[b, :, t] @ values.T * scale, sinks[:, None]], dim=-1)  # [h, keys + 1]
+            logits = torch.cat([q[b, t] @ values.T * scale, sinks[:, None]], dim=-1)  # [h, keys + 1]
             rows.append(torch.softmax(logits, dim=-1)[:, :-1] @ values)
     return torch.stack(rows).view(batch, seq_len, heads, -1)
 
@@ -44,8 +44,8 @@ CASES = {
 
 def _inputs(batch, seq_len, compressed_len, visibility, heads=3, dim=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq_len, dim, generator=generator)
-    kv = torch.randn(batch, 1, seq_len + compressed_len, dim, generator=generator)
+    q = torch.randn(batch, seq_len, heads, dim, generator=generator)
+    kv = torch.randn(batch, seq_len + compressed_len, dim, generator=generator)
     sinks = torch.randn(heads, generator=generator)
     visible = None
     if visibility == "random":

@@ -9,22 +9,19 @@
     x  = wo_b(wo_a_grouped(o))                    wo_a sharded by output group, wo_b row-parallel
 
 `attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
-rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores. `attention="fast"` runs flex_attention (compiled on GPU)
-with a block mask (sliding window + visible compressed entries) and folds the sink in afterwards
-from the returned log-sum-exp: softmax([s, sink]) . v = (softmax(s) . v) * sigmoid(lse - sink).
-On CPU it runs flex_attention's unfused reference (forward only: no CPU backward in torch).
+rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores.
+`attention="fast"` is `window_sink_attention` (model/window_attention.py): each block of `window` queries
+against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import compiled_flex_attention, in_window, sliding_block_mask, window_mask
+from modelzoo.attention import window_mask
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
@@ -38,7 +35,6 @@ from modelzoo.deepseek_v4.model.layers import (
     mark_tensor_parallel,
     unweighted_rms_norm,
 )
-from modelzoo.fused import fused
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
 
@@ -86,63 +82,6 @@ def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
     return torch.matmul(probs, kv).to(dtype).transpose(1, 2).contiguous()
 
 
-def flex_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scaling: float,
-                        compressed_visible: torch.Tensor | None = None, causal_ratio: int | None = None) -> torch.Tensor:
-    """Same result as `eager_sink_attention`, without materialising the scores.
-
-    q [B, h, S, D] at positions 0..S-1; kv [B, 1, S + C, D]: S sliding-window keys, then C compressed
-    entries, visible per `compressed_visible` (bool [B, S, C], the CSA top-k) or, for HCA, to every
-    query whose window is complete (entry c < (t + 1) // causal_ratio). Returns [B, S, h, D].
-    """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    batch, _, seq_len, _ = q.shape
-    total = kv.shape[2]
-    if total == seq_len:
-        block_mask = sliding_block_mask(seq_len, window, q.device)
-    elif compressed_visible is None:
-        block_mask = _heavily_compressed_block_mask(seq_len, total - seq_len, window, causal_ratio, q.device)
-    else:  # the indexer's picks change with every input: a fresh mask
-        def mask_mod(b, h, q_idx, kv_idx):
-            entry = (kv_idx - seq_len).clamp(min=0)
-            return in_window(q_idx, kv_idx, window) | ((kv_idx >= seq_len) & compressed_visible[b, q_idx, entry])
-        block_mask = create_block_mask(mask_mod, batch, None, seq_len, total, device=q.device, _compile=q.is_cuda)
-    attend = compiled_flex_attention() if q.is_cuda else flex_attention
-    # One K=V head for all query heads: give each head its own view. With a single KV head the
-    # kernel's K/V gradient pass has one program per key block (~40 on 4k tokens), running each
-    # query head in turn; per head it runs them side by side, and autograd sums the head copies.
-    kv = kv.expand(-1, q.shape[1], -1, -1)
-    # the compiled kernel's default 128-row tiles find no valid configuration below 128 queries (H200, torch 2.11)
-    options = {"BLOCK_M": 32, "BLOCK_N": 32} if q.is_cuda and seq_len < 128 else None
-    try:  # torch >= 2.9 returns the log-sum-exp through AuxRequest; return_lse is deprecated
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = attend(q, kv, kv, block_mask=block_mask, scale=scaling,
-                          return_aux=AuxRequest(lse=True), kernel_options=options)
-        lse = aux.lse
-    except ImportError:
-        out, lse = attend(q, kv, kv, block_mask=block_mask, scale=scaling, return_lse=True,
-                          kernel_options=options)
-    return fold_in_sink(out, lse, sinks)
-
-
-@fused
-def fold_in_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """[B, h, S, D] attention without the sink and its log-sum-exp -> [B, S, h, D] with the sink's share removed."""
-    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))         # probability mass not on the sink
-    return (out.float() * keep.unsqueeze(-1)).to(out.dtype).transpose(1, 2).contiguous()
-
-
-@functools.lru_cache(maxsize=16)
-def _heavily_compressed_block_mask(seq_len: int, compressed_len: int, window: int, ratio: int, device: torch.device):
-    """Sliding window + every complete compressed window (entry c < (t + 1) // ratio): the same for every input."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return in_window(q_idx, kv_idx, window) | ((kv_idx >= seq_len) & (kv_idx - seq_len < (q_idx + 1) // ratio))
-    return create_block_mask(mask_mod, None, None, seq_len, seq_len + compressed_len, device=device)
-
-
 class DeepseekV4Attention(nn.Module):
     def __init__(self, config, args: DeepseekV4Args, layer_type: str, attention: str = "exact"):
         super().__init__()
@@ -180,10 +119,10 @@ class DeepseekV4Attention(nn.Module):
 
         q_residual = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q, _ = self.linear_q_up_proj(q_residual)
-        q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q = apply_rotary(unweighted_rms_norm(q, self.eps), cos, sin)
+        q = q.view(batch, seq_len, -1, self.head_dim)                                    # [B, S, h, D]
+        q = apply_rotary(unweighted_rms_norm(q, self.eps), cos, sin, unsqueeze_dim=2)
 
-        kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, seq_len, 1, self.head_dim).transpose(1, 2)
+        kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, 1, seq_len, self.head_dim)
         kv = apply_rotary(kv, cos, sin)
 
         block_bias = None
@@ -198,7 +137,7 @@ class DeepseekV4Attention(nn.Module):
             if kv.shape[2] > seq_len:  # CSA: the indexer's picks; HCA: the complete windows (one query: all)
                 visible = (block_bias[:, 0] == 0 if block_bias is not None
                            else torch.ones(1, seq_len, kv.shape[2] - seq_len, dtype=torch.bool, device=kv.device))
-            out = window_sink_attention(q, kv, self.sinks, self.scaling, self.sliding_window, visible)
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
         else:
             allowed = window_mask(seq_len, self.sliding_window, hidden_states.device)
             mask = torch.zeros(seq_len, seq_len, dtype=q.dtype, device=q.device)
@@ -207,8 +146,8 @@ class DeepseekV4Attention(nn.Module):
                 mask = torch.cat([mask, block_bias.to(mask.dtype)], dim=-1)
             elif kv.shape[2] > seq_len:
                 mask = torch.nn.functional.pad(mask, (0, kv.shape[2] - seq_len), value=0.0)
-            out = eager_sink_attention(q, kv, mask, self.sinks, self.scaling)       # [B, S, h, D]
-        out = apply_rotary(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+            out = eager_sink_attention(q.transpose(1, 2), kv, mask, self.sinks, self.scaling)
+        out = apply_rotary(out, cos, -sin, unsqueeze_dim=2)                               # [B, S, h, D]
         grouped = self.linear_o_down_proj(out.reshape(batch, seq_len, self.linear_o_down_proj.local_groups, -1))
         output, _ = self.linear_proj(grouped.flatten(2))
         return output

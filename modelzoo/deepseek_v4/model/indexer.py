@@ -22,17 +22,29 @@ import torch.nn.functional as F
 from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.compressor import pool_windows
-from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+from modelzoo.deepseek_v4.model.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryTable,
+    apply_rotary,
+    fp32_param,
+    matmul_fp32,
+)
 from modelzoo.fused import fused
 
 
-@fused
 def index_scores(q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,
                  weights_scaling: float) -> torch.Tensor:
     """sum_h w[t,h] * relu(q[t,h] . k[s]) * scales: q [B, S, h, d], compressed [B, T, d], head_weights [B, S, h]."""
     batch, seq_len, heads, _ = q.shape
     # one [S*h, d] x [d, T] product per sequence (a broadcast matmul over h runs a slow batched kernel)
-    scores = torch.bmm(q.float().flatten(1, 2), compressed.float().transpose(1, 2)).view(batch, seq_len, heads, -1)
+    scores = matmul_fp32(q.flatten(1, 2), compressed.transpose(1, 2)).view(batch, seq_len, heads, -1)
+    return weighted_head_sum(scores, head_weights, softmax_scale, weights_scaling)
+
+
+@fused
+def weighted_head_sum(scores: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,
+                      weights_scaling: float) -> torch.Tensor:
     scores = F.relu(scores) * softmax_scale
     weights = head_weights.float() * weights_scaling                                          # [B, S, h]
     return (scores * weights.unsqueeze(-1)).sum(dim=2)
@@ -59,8 +71,8 @@ class Indexer(Decider):
         compressed = pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
                                   self.ratio, self.head_dim, True, self.kv_norm, self.rotary)   # [B, T, d]
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
-        q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin).transpose(1, 2)                                            # [B, S, h, d]
+        q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim)
+        q = apply_rotary(q, cos, sin, unsqueeze_dim=2)                                            # [B, S, h, d]
         return index_scores(q, compressed, self.linear_weights(hidden_states), self.softmax_scale,
                             self.weights_scaling)
 

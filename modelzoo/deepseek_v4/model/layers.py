@@ -65,6 +65,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * x).to(dtype)
 
 
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b accumulated and returned in fp32; on CUDA bf16 inputs stay bf16 (no fp32 copies, tensor cores).
+
+    The products of bf16 values are exact in fp32, so this is the fp32 matmul of the same values up to
+    the order of the fp32 sums.
+    """
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
 @fused
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
