@@ -36,7 +36,7 @@ def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 LAYOUT_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "expert_parallel")
 
 
-def with_layout_of(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def with_layout_of(tensor: torch.Tensor | RowBlocks, param: torch.Tensor) -> torch.Tensor | RowBlocks:
     """`tensor` carrying `param`'s parallel-layout attributes (data read apart from its parameter)."""
     for attribute in LAYOUT_ATTRIBUTES:
         if hasattr(param, attribute):
@@ -83,12 +83,18 @@ class ShardLayout:
             full = full.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
         return full
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Collective over this tensor's TP (then EP) group: every rank gets the full tensor."""
+    def gather(self, local: torch.Tensor | RowBlocks) -> torch.Tensor | RowBlocks:
+        """Collective over this tensor's TP (then EP) group: every rank gets the full tensor (row blocks
+        stay row blocks when there is nothing to gather)."""
+        gathered = [(dim, size, group) for dim, size, group in ((self.tp_dim, self.tp_size, self.tp_group),
+                                                                (0, self.ep_size, self.ep_group))
+                    if dim is not None and size > 1]
+        if isinstance(local, RowBlocks):
+            if not gathered:
+                return local
+            local = local.tensor()
         full = local.detach()
-        for dim, size, group in ((self.tp_dim, self.tp_size, self.tp_group), (0, self.ep_size, self.ep_group)):
-            if dim is None or size == 1:
-                continue
+        for dim, size, group in gathered:
             parts = [torch.empty_like(full) for _ in range(size)]
             dist.all_gather(parts, full.contiguous(), group=group)
             full = torch.cat(parts, dim=dim)
@@ -154,12 +160,12 @@ def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointRe
     return lambda name: hf_shard(name, tensors[name], table, reader)
 
 
-def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], table: MappingTable,
+def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor | RowBlocks]], table: MappingTable,
                       edit: Callable[[str, Rule, list[torch.Tensor]], list[torch.Tensor]] | None = None,
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
-    `model`: a Megatron model, or its `(name, local tensor)` pairs read from a checkpoint
+    `model`: a Megatron model, or its `(name, local tensor or RowBlocks)` pairs read from a checkpoint
     (`megatron_ckpt.stream_weights`). Streams: at most one Megatron tensor is gathered at a time. Every
     rank must iterate (the gathers are collective); all ranks receive the same tensors.
     `edit(megatron_name, rule, hf_tensors)` may replace a tensor's HF tensors before they are yielded
@@ -169,7 +175,11 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]
     for name, tensor in tensors:
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
-        hf_tensors = rule.transform.to_hf(layout.gather(tensor), layout.tp_size)
+        full = layout.gather(tensor)
+        if isinstance(full, RowBlocks):
+            hf_tensors = rule.transform.to_hf_rows(full, layout.tp_size)
+        else:
+            hf_tensors = rule.transform.to_hf(full, layout.tp_size)
         if edit is not None:
             hf_tensors = edit(name, rule, hf_tensors)
         yield from zip(rule.hf_names(indices), hf_tensors)

@@ -139,9 +139,11 @@ def load(model: torch.nn.Module, folder: str | Path) -> None:
 
 
 def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int = 256 * 2**20,
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+                   ) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Collective: `(name, this rank's tensor)` for every tensor of `model` (built on the meta device:
-    `provider.provide_skeleton()`) read from a checkpoint written by `save` at any TP / EP size.
+    `provider.provide_skeleton()`) read from a checkpoint written by `save` at any TP / EP size; a
+    tensor stored in pieces of whole rows (a SwiGLU fc1's [gate; up] halves) comes as `RowBlocks` of
+    those pieces, not copied together.
 
     Reads consecutive tensors in groups of at most `group_bytes` (a larger tensor alone), so memory stays
     near one group. Each tensor carries its parameter's parallel attributes, so it can stand in for the

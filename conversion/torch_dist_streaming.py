@@ -8,10 +8,12 @@ factories exactly as Megatron makes them, no memory), Megatron translates it to 
 torch_dist strategy does, and torch's `FileSystemWriter` writes it through a planner that makes each
 tensor's data only when the writer asks for it (`resolve_data`), straight from where it lies (a memory
 map of the source file) when it can. The files are the ones `dist_checkpointing.save` writes (same
-keys, chunks, `.metadata`, `common.pt`, `metadata.json`, byte for byte); `dist_checkpointing.load` and
-Megatron-LM read them. Reading back a bounded group at a time: `dist_checkpointing.load` accepts a
-partial sharded state dict; its strategy here is Megatron's with a reader that copies each tensor
-once, from a memory map of the file, where torch's copies it three times.
+keys, chunks, `.metadata`, `common.pt`, `metadata.json`, byte for byte) but for the CRC-32 fields of
+each item's `torch.save` zip, left 0, and so its `serialization_id` (`without_crc32`);
+`dist_checkpointing.load` and Megatron-LM read them. Reading back a bounded group at a time:
+`dist_checkpointing.load` accepts a partial sharded state dict; its strategy here is Megatron's with
+a reader that copies each tensor once, from a memory map of the file, where torch's copies it three
+times, and no factory merge of pieces handed over unread (`merged_unless_deferred`).
 
 This is the one place where `conversion` relies on private behaviour of Megatron-Core 0.19 and torch
 (tests: tests/test_streaming_checkpoint.py):
@@ -37,10 +39,14 @@ This is the one place where `conversion` relies on private behaviour of Megatron
 | `UntypedStorage._checkpoint_offset`, set by `torch.load(..., | where a DCP item's tensor data starts in its   |
 | map_location="meta")`                                       | `torch.save` zip (torch's own experimental DCP |
 |                                                             | checkpoint reader reads it the same way)       |
+| `ShardedTensorFactory.merge_fn` replaced; `dist_checkpoint- | a merge of pieces the reader handed over       |
+| ing.load` calls it with the factory's loaded pieces, which  | unread would copy memory nothing uses (the     |
+| are the targets the strategy was given                      | whole SwiGLU fc1, concatenated)                |
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -127,6 +133,19 @@ def with_own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(tensor.reshape(-1).view(torch.uint8).numpy()).view(tensor.dtype).view(tensor.shape)
 
 
+@contextlib.contextmanager
+def without_crc32() -> Iterator[None]:
+    """`torch.save` computing no CRC-32 of its zip records (their CRC fields are 0) meanwhile: a third of
+    the time it takes to save a tensor. Nothing checks it: `torch.load` (and so torch's and Megatron's
+    DCP readers and ours) reads a record without it; only zip tools would call the record corrupt."""
+    computes = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(computes)
+
+
 def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None):
     """A `dist_checkpointing.save` strategy whose writer takes one tensor at a time; `data(meta_view)`
     makes the real data of a meta tensor when it is written (None: every tensor is real)."""
@@ -180,12 +199,15 @@ def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None)
 
     class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
-            # TorchDistSaveShardedStrategy.async_save's translation and planner (Megatron-Core 0.19.2)
-            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            pyt_state_dict = mcore_to_pyt_state_dict(sharded, False)
-            planner = LazyPlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                  flatten_state_dict=False, flatten_sharded_tensors=False)
-            dcp.save(pyt_state_dict, storage_writer=StreamingWriter(str(checkpoint_dir)), planner=planner)
+            # TorchDistSaveShardedStrategy.async_save's translation and planner (Megatron-Core 0.19.2);
+            # the translation torch.saves the non-tensor objects
+            with without_crc32():
+                sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                           self.keep_only_main_replica)
+                pyt_state_dict = mcore_to_pyt_state_dict(sharded, False)
+                planner = LazyPlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                      flatten_state_dict=False, flatten_sharded_tensors=False)
+                dcp.save(pyt_state_dict, storage_writer=StreamingWriter(str(checkpoint_dir)), planner=planner)
 
     return StreamingSaveStrategy()
 
@@ -293,12 +315,13 @@ def with_real_data(sharded, real: torch.Tensor):
 
 
 def assembled(name: str, real: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]],
-              loaded: torch.Tensor) -> torch.Tensor:
+              loaded: torch.Tensor) -> torch.Tensor | RowBlocks:
     """Tensor `name` from the data read for its targets (views of `real`, not yet written): that data
-    itself when one piece is the whole tensor (no copy), else the pieces copied together into new
-    memory (not into `real`: a factory's merge has read it, and writing pages the kernel mapped for a
-    read faults on each one). With no pieces (a factory whose pieces are not views of its tensor: the
-    reader copied into them), what the load made of them (`loaded`, the factory's merge)."""
+    itself when one piece is the whole tensor, the pieces as `RowBlocks` when they are whole rows of it
+    (a SwiGLU fc1's [gate; up] halves): no copy. Else the pieces copied together into new memory (not
+    into `real`: writing pages the kernel mapped for a read faults on each one). With no pieces (a
+    factory whose pieces are not views of its tensor: the reader copied into them), what the load made
+    of them (`loaded`, the factory's merge)."""
     if not pieces:
         return loaded
     if sum(target.numel() for target, _ in pieces) != real.numel():
@@ -308,27 +331,70 @@ def assembled(name: str, real: torch.Tensor, pieces: list[tuple[torch.Tensor, to
         target, data = pieces[0]
         if target.is_contiguous() and target.storage_offset() == real.storage_offset():
             return data.reshape(real.shape).to(real.dtype)
+    rows = row_blocks(real, pieces)
+    if rows is not None:
+        return rows
     whole = torch.empty_like(real)
     for target, data in pieces:
         view_like(whole, target).copy_(data)
     return whole
 
 
+def row_blocks(real: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> RowBlocks | None:
+    """The pieces' data as the row blocks of `real`, or None unless their targets are whole consecutive
+    rows of it from the first (the caller has checked that they hold all its elements)."""
+    spans = [row_span(target, real) for target, _ in pieces]
+    if None in spans:
+        return None
+    blocks, end = [], 0
+    for (first, rows), (_, data) in sorted(zip(spans, pieces), key=lambda pair: pair[0]):
+        if first != end:
+            return None
+        blocks.append(data.to(real.dtype))
+        end += rows
+    return RowBlocks(blocks)
+
+
+def merged_unless_deferred(factory, deferred: set[int]):
+    """`factory` (a `ShardedTensorFactory` with real data) whose merge is skipped when the load read
+    nothing into the pieces it would merge, every one a target the caller takes the data of (its
+    storage in `deferred`): Megatron's merge (a SwiGLU fc1's `torch.cat` of its halves) would copy
+    unread memory into a tensor that `assembled` does not use. Then the merge gives the factory's own,
+    unread tensor. `dist_checkpointing.load` calls `merge_fn` with the sub-state dict the strategy
+    loaded for the factory's pieces, which are the targets themselves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    merge, unread = factory.merge_fn, factory.data
+
+    def merge_read(loaded):
+        values = list(nested_values(loaded)) if isinstance(loaded, (dict, list)) else [loaded]
+        if values and all(isinstance(value, torch.Tensor) and storage_id(value) in deferred for value in values):
+            return unread
+        return merge(loaded)
+
+    return dataclasses.replace(factory, merge_fn=merge_read)
+
+
 def load_groups(sharded_state_dict: dict, params: dict[str, torch.Tensor], groups: list[list[str]],
-                folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+                folder: str) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Collective: `(name, this rank's tensor)` for every name of `groups`, one `dist_checkpointing.load`
     per group (a partial sharded state dict), so that only one group is in memory at a time. The load
-    copies nothing into the group's tensors (`deferred`): a tensor stored in one piece comes back on a
-    memory map of the file, and its new tensor, never written, costs no memory; one stored in several
-    (a SwiGLU fc1's halves, a tensor written at another TP size) is copied together into its own."""
+    copies nothing into the group's tensors (`deferred`) and merges no factory's pieces: a tensor
+    stored in one piece comes back on a memory map of the file, and its new tensor, never written,
+    costs no memory; one stored in pieces of whole rows (a SwiGLU fc1's halves) as `RowBlocks` of those
+    maps; one stored in other pieces (columns of a tensor written at another TP size) is copied
+    together into its own."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     strategy = streaming_load_strategy()
     for group in groups:
         real = {name: torch.empty(params[name].shape, dtype=params[name].dtype) for name in group}
         name_of = {storage_id(tensor): name for name, tensor in real.items()}
-        part = {name: with_real_data(sharded_state_dict[name], real[name]) for name in group}
         strategy.deferred = set(name_of)
+        part = {name: with_real_data(sharded_state_dict[name], real[name]) for name in group}
+        part = {name: merged_unless_deferred(sharded, strategy.deferred) if isinstance(sharded, ShardedTensorFactory)
+                else sharded for name, sharded in part.items()}
         loaded = dist_checkpointing.load({"model": part}, folder, sharded_strategy=strategy)["model"]
         pieces: dict[str, list] = {name: [] for name in group}
         for target, data in strategy.pieces:

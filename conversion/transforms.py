@@ -20,6 +20,8 @@ class RowBlocks:
     What the transforms make a Megatron tensor as: the fused ones are the checkpoint's tensors (or
     slices of them) row block after row block, so a consumer that needs only some rows, like the
     streaming writer for one half of a SwiGLU fc1, takes them where they are instead of from a copy.
+    Also how a Megatron tensor read back in pieces of whole rows comes (`megatron_ckpt.stream_weights`),
+    which `Transform.to_hf_rows` takes.
     """
 
     def __init__(self, blocks: list[torch.Tensor]):
@@ -64,6 +66,11 @@ class Transform:
 
     def to_hf(self, megatron: torch.Tensor, tp: int) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def to_hf_rows(self, megatron: RowBlocks, tp: int) -> list[torch.Tensor]:
+        """`to_hf` of a tensor held as row blocks (one read back in pieces): the blocks concatenated,
+        unless the transform takes its HF tensors' rows from the blocks where they are (`FusedGateUp`)."""
+        return self.to_hf(megatron.tensor(), tp)
 
 
 class Direct(Transform):
@@ -142,8 +149,14 @@ class FusedGateUp(Transform):
         return RowBlocks([part for pair in zip(gate.chunk(tp), up.chunk(tp)) for part in pair])
 
     def to_hf(self, megatron, tp):
+        return self.to_hf_rows(RowBlocks([megatron]), tp)
+
+    def to_hf_rows(self, megatron, tp):
+        """gate and up, each its ranks' halves concatenated: no copy where that is one block (at TP 1,
+        either half of a whole tensor, or of one read back as its two halves)."""
         shards = [shard.chunk(2) for shard in megatron.chunk(tp)]
-        return [RowBlocks([gate for gate, _ in shards]).tensor(), RowBlocks([up for _, up in shards]).tensor()]
+        return [RowBlocks([block for half in halves for block in half.blocks]).tensor()
+                for halves in ([gate for gate, _ in shards], [up for _, up in shards])]
 
     def __repr__(self) -> str:
         return "FusedGateUp()"

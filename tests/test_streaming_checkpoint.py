@@ -13,6 +13,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conversion import engine, megatron_ckpt
 from conversion.safetensors_io import CheckpointReader
+from conversion.torch_dist_streaming import without_crc32
+from conversion.transforms import RowBlocks
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 from conftest import ROOT, TINY
@@ -88,7 +90,8 @@ def test_import_and_export_memory_is_a_few_tensors_not_the_model(synthetic):
 
 
 def test_streamed_import_writes_the_files_megatron_writes(tmp_path):
-    """Same DCP metadata and byte-identical data file as dist_checkpointing.save of the loaded model."""
+    """Same DCP metadata and byte-identical data file as dist_checkpointing.save of the loaded model
+    with torch.save's CRC-32 off, as the streaming writer saves."""
     from megatron.core import dist_checkpointing
 
     source = TINY / "loopcoder-tiny"
@@ -98,8 +101,9 @@ def test_streamed_import_writes_the_files_megatron_writes(tmp_path):
         provider.load_hf_weights(model, progress=False)
         reference = tmp_path / "reference"
         reference.mkdir()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 0},
-                                str(reference))
+        with without_crc32():
+            dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
+                                     "iteration": 0}, str(reference))
         skeleton = provider.provide_skeleton()
         reader = provider.checkpoint_reader(source)
         megatron_ckpt.save(skeleton, tmp_path / "streamed", {}, [], progress=False,
@@ -113,6 +117,58 @@ def test_streamed_import_writes_the_files_megatron_writes(tmp_path):
     assert ours.all_local_plans == megatrons.all_local_plans
     for data_file in reference.glob("*.distcp"):
         assert (streamed / data_file.name).read_bytes() == data_file.read_bytes()
+
+
+def test_megatron_loads_a_streamed_import_bit_identically(tmp_path):
+    """Megatron's own loader (torch's reader, torch.load) reads the tensors the checkpoint was made from,
+    though the zips' CRC-32 fields are 0; torch.save computes them again afterwards."""
+    from megatron.core import dist_checkpointing
+
+    source = TINY / "loopcoder-tiny"
+    with runtime.parallel():
+        provider = build_provider(source, perform_initialization=False)
+        skeleton = provider.provide_skeleton()
+        reader = provider.checkpoint_reader(source)
+        megatron_ckpt.save(skeleton, tmp_path / "streamed", {}, [], progress=False,
+                           weights=engine.hf_weights(skeleton, provider.mapping(), reader))
+        assert torch.serialization.get_crc32_options()
+        folder = tmp_path / "streamed" / megatron_ckpt.RELEASE
+        expected = provider.provide()
+        provider.load_hf_weights(expected, progress=False)
+        model = provider.provide()
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))["model"]
+        tensors = engine.megatron_tensors(expected)
+        assert loaded.keys() >= tensors.keys()
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+
+
+def test_fc1_is_exported_from_its_halves_as_read(tmp_path, monkeypatch):
+    """A SwiGLU fc1 read back comes as its [gate; up] halves, each on its map of the file, with no
+    factory merge (Megatron's concatenation), and exports to the source's gate and up tensors, each
+    one of those halves itself: nothing copied."""
+    import megatron.core.transformer.mlp as mlp
+
+    merges = []
+    concatenate = mlp.cat_with_oom_fallback
+    monkeypatch.setattr(mlp, "cat_with_oom_fallback", lambda pieces: merges.append(pieces) or concatenate(pieces))
+    source = TINY / "loopcoder-tiny"
+    with runtime.parallel():
+        provider = build_provider(source)
+        skeleton = provider.provide_skeleton()
+        reader = provider.checkpoint_reader(source)
+        megatron_ckpt.save(skeleton, tmp_path / "megatron", {}, [], progress=False,
+                           weights=engine.hf_weights(skeleton, provider.mapping(), reader))
+        streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "megatron"))
+        fc1 = [name for name in streamed if name.endswith("linear_fc1.weight")]
+        assert fc1 and all(isinstance(streamed[name], RowBlocks) and len(streamed[name].blocks) == 2 for name in fc1)
+        assert not merges
+        exported = dict(engine.export_hf_weights(iter(streamed.items()), provider.mapping()))
+    original = CheckpointReader(source)
+    assert exported.keys() == set(original.names())
+    assert all(torch.equal(exported[name], original.get(name)) for name in original.names())
+    blocks = {block.data_ptr() for name in fc1 for block in streamed[name].blocks}
+    halves = [name for name in exported if name.endswith(("gate_proj.weight", "up_proj.weight"))]
+    assert halves and all(exported[name].data_ptr() in blocks for name in halves)
 
 
 def test_a_view_is_saved_as_its_clone_without_copying():
@@ -157,4 +213,5 @@ def _compare_streamed_with_megatron(rank, source, folder, tp):
         expected = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder + "/release")["model"]
         streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), folder, group_bytes=4096))
         return streamed.keys() == engine.megatron_tensors(model).keys() and all(
-            torch.equal(tensor, expected[name]) for name, tensor in streamed.items())
+            torch.equal(tensor.tensor() if isinstance(tensor, RowBlocks) else tensor, expected[name])
+            for name, tensor in streamed.items())
