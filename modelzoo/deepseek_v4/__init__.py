@@ -20,7 +20,7 @@ from modelzoo.registry import register
 
 @register
 class DeepseekV4Provider(ModelProvider):
-    """`attention`: "exact" (eager, the parity path) or "fast" (flex_attention; compiled on GPU).
+    """`attention`: "exact" (eager, the parity path) or "fast" (dense blocks of GEMMs, model/window_attention.py).
     `mtp_loss_scale`: weight of the MTP loss in `loss()` (0 = off); `build_mtp=False` drops the MTP layers."""
 
     name = "deepseek_v4"

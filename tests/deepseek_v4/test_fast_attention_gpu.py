@@ -1,8 +1,8 @@
-"""attention="fast" (compiled flex_attention + sink from the log-sum-exp) against "exact" on a GPU.
+"""attention="fast" (window_sink_attention: blocks of GEMMs, fp32 scores) against "exact" on a GPU.
 
 Run on the accelerator: `pytest -m gpu tests/deepseek_v4/test_fast_attention_gpu.py -s`.
 FAST_TOLERANCE = 1e-4 (fp32 log-probabilities), FAST_GRAD_TOLERANCE = 1e-4 (relative max-norm per
-parameter): the same scores, a blocked online softmax instead of a materialised one (~1e-6).
+parameter): the same fp32 scores, a blocked softmax and a hand-written backward (~1e-6).
 BF16_TOLERANCE = 0.1 on the bf16 head_dim-512 layer's outputs relative to their max: two bf16
 attention implementations differ by a few bf16 ulps (2^-8); a wrong mask or sink is O(1).
 """
