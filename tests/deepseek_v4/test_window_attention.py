@@ -65,8 +65,8 @@ def test_matches_the_oracle_forward_and_backward(case, score_budget, monkeypatch
     scale = q.shape[-1] ** -0.5
     inputs = [t.requires_grad_() for t in (q, kv, sinks)]
     reference_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    ours = window_sink_attention(*inputs[:2], inputs[2], scale, window, visible)
-    reference = oracle(*reference_inputs[:2], reference_inputs[2], scale, window, visible)
+    ours = window_sink_attention(*inputs, scale, window, visible)
+    reference = oracle(*reference_inputs, scale, window, visible)
     assert ours.shape == reference.shape and ours.dtype == q.dtype
     assert (ours.double() - reference).abs().max().item() <= TOLERANCE
 
@@ -75,6 +75,7 @@ def test_matches_the_oracle_forward_and_backward(case, score_budget, monkeypatch
     reference_grads = torch.autograd.grad(reference, reference_inputs, out_grad.double())
     for name, got, expected in zip(("q", "kv", "sinks"), ours_grads, reference_grads):
         assert (got.double() - expected).abs().max().item() <= TOLERANCE, name
+
 
 def test_bf16_inputs_give_bf16_outputs_and_gradients():
     q, kv, sinks, visible = _inputs(1, 24, 4, "random")

@@ -24,16 +24,22 @@ from __future__ import annotations
 
 import torch
 
+from modelzoo.attention import in_window
 from modelzoo.deepseek_v4.model.layers import matmul_fp32
 from modelzoo.fused import fused
 
 SCORE_BUDGET = 2**27   # score elements per chunk of queries (512 MiB in fp32)
 
 
+def _logits(scores, visible, scale: float):
+    """Unscaled fp32 scores -> the softmax's logits: scaled, -inf where not visible (forward and backward alike)."""
+    return (scores * scale).masked_fill(~visible, float("-inf"))
+
+
 @fused
 def _probabilities(scores, visible, sinks, scale: float, dtype: torch.dtype):
     """Scores [B, n, W, h, keys] (fp32, unscaled) -> probabilities (`dtype`) and log-sum-exp [B, n, W, h] (fp32)."""
-    scores = (scores * scale).masked_fill(~visible, float("-inf"))
+    scores = _logits(scores, visible, scale)
     sink = sinks.float()
     peak = torch.maximum(scores.amax(-1), sink)
     lse = peak + torch.log(torch.exp(scores - peak.unsqueeze(-1)).sum(-1) + torch.exp(sink - peak))
@@ -53,7 +59,7 @@ def _score_gradients(scores, visible, lse, value_grads, delta, scale: float, dty
 
     p is recomputed from the scores and the saved log-sum-exp, in fp32 as in the forward.
     """
-    probs = torch.exp((scores * scale).masked_fill(~visible, float("-inf")) - lse.unsqueeze(-1))
+    probs = torch.exp(_logits(scores, visible, scale) - lse.unsqueeze(-1))
     return (scale * probs * (value_grads - delta.unsqueeze(-1))).to(dtype), probs.to(dtype)
 
 
@@ -72,7 +78,7 @@ class _Chunk:
         blocks = kv[:, first * window:(last + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
         query = torch.arange(first * window, last * window, device=q.device).view(-1, window, 1)
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
-        visible = ((key <= query) & (key > query - window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
+        visible = (in_window(query, key, window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
         if compressed is not None:
             blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
             compressed_visible = compressed_visible[:, self.rows_slice].view(-1, self.blocks, window, 1,
