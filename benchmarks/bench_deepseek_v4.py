@@ -114,12 +114,19 @@ def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                step()
+        # verbose=True: without it torch 2.11's profiler records no Python frames for group_by_stack_n
+        stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                     experimental_config=stacks, record_shapes=True) as prof:
+            step()
             torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=40,
+                                                             max_name_column_width=40, max_shapes_column_width=80))
+    # which source lines own the GPU time (eager paths; a replayed graph is one opaque entry)
+    print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cuda_time_total", row_limit=60,
+                                                      max_name_column_width=40, max_src_column_width=90))
 
 
 def main() -> None:
@@ -132,7 +139,7 @@ def main() -> None:
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
                              "the decoder layers as CUDA graphs")
     parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, profile two steps of our model on the first of --paths and print the top ops")
+                        help="instead of timing, profile one step of our model on the first of --paths and print the top ops")
     args = parser.parse_args()
 
     from transformers import DeepseekV4ForCausalLM

@@ -189,9 +189,7 @@ class RoutedExperts(nn.Module):
         # combine: each token's k slots, weighted (slots routed to another EP rank weigh 0), summed;
         # a foreign slot reads any row (its weight is 0, so it takes no gradient either)
         slot_weights = torch.where(mine, all_weights, 0).to(expert_output.dtype)
-        slot_outputs = gather_rows(expert_output, slot_rows.clamp(max=capacity - 1).reshape(-1),
-                                   row_slots.unsqueeze(1)).view(*slot_rows.shape, -1)
-        out = (slot_outputs * slot_weights.unsqueeze(-1)).sum(dim=1)
+        out = combine_slots(expert_output, slot_weights, slot_rows.clamp(max=capacity - 1), row_slots)
 
         out = _ScatterTokens.apply(out, ep_group)[:count]
         return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=etp_group)
@@ -252,8 +250,13 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (readers,) = ctx.saved_tensors
-        rows = F.pad(grad, (0, 0, 0, 1)).index_select(0, readers.reshape(-1))  # row len(grad): zeros
-        return rows.view(*readers.shape, -1).sum(dim=1), None, None
+        return _sum_of_readers(grad, readers), None, None
+
+
+@fused
+def _sum_of_readers(grad: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
+    rows = F.pad(grad, (0, 0, 0, 1)).index_select(0, readers.reshape(-1))  # row len(grad): zeros
+    return rows.view(*readers.shape, -1).sum(dim=1)
 
 
 def gather_rows(source: torch.Tensor, index: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
@@ -265,6 +268,48 @@ def gather_rows(source: torch.Tensor, index: torch.Tensor, readers: torch.Tensor
     makes it deterministic).
     """
     return _GatherRows.apply(source, index, readers)
+
+
+class _CombineSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_output, slot_weights, slot_rows, row_slots):
+        ctx.save_for_backward(expert_output, slot_weights, slot_rows, row_slots)
+        return _weighted_slot_sum(expert_output, slot_weights, slot_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_output, slot_weights, slot_rows, row_slots = ctx.saved_tensors
+        return (_row_gradients(grad, slot_weights, row_slots), _slot_weight_gradients(grad, expert_output, slot_rows),
+                None, None)
+
+
+@fused
+def _weighted_slot_sum(expert_output, slot_weights, slot_rows):
+    return (expert_output[slot_rows] * slot_weights.unsqueeze(-1)).sum(dim=1)
+
+
+@fused
+def _row_gradients(grad, slot_weights, row_slots):
+    """Row r holds slot row_slots[r] (token row_slots[r] // k); padding rows (slot T*k) read the zero row."""
+    top_k = slot_weights.shape[1]
+    token_grads = F.pad(grad, (0, 0, 0, 1))[row_slots // top_k]
+    return token_grads * F.pad(slot_weights.reshape(-1), (0, 1))[row_slots].unsqueeze(-1)
+
+
+@fused
+def _slot_weight_gradients(grad, expert_output, slot_rows):
+    return (grad.unsqueeze(1) * expert_output[slot_rows]).sum(dim=-1)
+
+
+def combine_slots(expert_output: torch.Tensor, slot_weights: torch.Tensor, slot_rows: torch.Tensor,
+                  row_slots: torch.Tensor) -> torch.Tensor:
+    """sum_k slot_weights[t, k] * expert_output[slot_rows[t, k]] -> [T, hidden], one fused kernel each way.
+
+    expert_output [R, hidden]; slot_weights, slot_rows [T, k]; row_slots [R] the slot each row holds
+    (T*k for padding rows), so the backward is gathers too: a row's gradient is its one slot's token
+    gradient times the slot's weight (autograd's would be unfused broadcast products, sums and an index_add).
+    """
+    return _CombineSlots.apply(expert_output, slot_weights, slot_rows, row_slots)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
