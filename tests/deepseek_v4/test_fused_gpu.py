@@ -7,6 +7,7 @@ eager function itself, which every CPU parity test exercises.
 import pytest
 import torch
 
+from modelzoo.deepseek_v4.model.attention import normed_rotary_queries
 from modelzoo.deepseek_v4.model.hyper_connection import hc_mix, hc_residual
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -40,5 +41,22 @@ def test_compiled_hyper_connection_matches_eager_forward_and_backward():
     fused = _forward_and_grads(hc_mix, hc_residual, _inputs(0))
     eager = _forward_and_grads(hc_mix.eager, hc_residual.eager, _inputs(0))
     for compiled, reference in zip(fused, eager, strict=True):
+        scale = max(reference.abs().max().item(), 1.0)
+        assert (compiled - reference).abs().max().item() / scale <= FUSED_TOLERANCE
+
+
+def test_compiled_normed_rotary_queries_match_eager_forward_and_backward():
+    """The queries' RMS norm and RoPE as one compiled kernel against the eager ops (fp32)."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 64, 4, 128, generator=generator)
+    angles = torch.rand(2, 64, 8, generator=generator) * 6.28
+    upstream = torch.randn(2, 64, 4, 128, generator=generator).cuda()
+    results = []
+    for run in (normed_rotary_queries, normed_rotary_queries.eager):
+        leaf = q.cuda().requires_grad_()
+        out = run(leaf, angles.cos().cuda(), angles.sin().cuda(), 1e-6)
+        out.backward(upstream)
+        results.append((out.detach(), leaf.grad))
+    for compiled, reference in zip(*results, strict=True):
         scale = max(reference.abs().max().item(), 1.0)
         assert (compiled - reference).abs().max().item() / scale <= FUSED_TOLERANCE

@@ -35,6 +35,7 @@ from modelzoo.deepseek_v4.model.layers import (
     mark_tensor_parallel,
     unweighted_rms_norm,
 )
+from modelzoo.fused import fused
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
 
@@ -82,6 +83,12 @@ def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
     return torch.matmul(probs, kv).to(dtype).transpose(1, 2).contiguous()
 
 
+@fused
+def normed_rotary_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head's RMS norm (no weight), then RoPE: q [B, S, h, D]. One kernel on a GPU, not two passes over q."""
+    return apply_rotary.eager(unweighted_rms_norm.eager(q, eps), cos, sin, unsqueeze_dim=2)
+
+
 class DeepseekV4Attention(nn.Module):
     def __init__(self, config, args: DeepseekV4Args, layer_type: str, attention: str = "exact"):
         super().__init__()
@@ -120,7 +127,7 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_layernorm(self.linear_q_down_proj(hidden_states))
         q, _ = self.linear_q_up_proj(q_residual)
         q = q.view(batch, seq_len, -1, self.head_dim)                                    # [B, S, h, D]
-        q = apply_rotary(unweighted_rms_norm(q, self.eps), cos, sin, unsqueeze_dim=2)
+        q = normed_rotary_queries(q, cos, sin, self.eps)
 
         kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, 1, seq_len, self.head_dim)
         kv = apply_rotary(kv, cos, sin)
