@@ -25,11 +25,12 @@ Function = TypeVar("Function", bound=Callable)
 def fused(fn: Function | None = None, *, static_shapes: bool = False):
     """`fn` compiled on first use with CUDA tensors (the first argument decides); eager on CPU.
 
-    By default torch.compile makes a dimension symbolic once it has seen two sizes of it. A reduction
-    whose length is symbolic can compile to a much slower kernel: DeepSeek-V4's attention softmax over
-    256-288 keys ran at ~1/8 the bandwidth of the static 1280-key one. `@fused(static_shapes=True)`
-    compiles one kernel per distinct shape instead (few in training, where the shapes repeat each
-    step; past torch's recompile limit a new shape runs eagerly).
+    By default torch.compile makes a dimension symbolic once it has seen two sizes of it, and a
+    reduction of symbolic length compiles to a slower kernel: DeepSeek-V4's attention softmax over 256
+    and 288 keys (after a call with 1280) took 135 / 133 us per call, 90 / 77 us compiled for static
+    shapes (H200, 2026-12-03, launch included). `@fused(static_shapes=True)` compiles one kernel per
+    distinct shape instead: few in training, where the shapes repeat every step; past torch's
+    recompile limit (8 by default) a new shape runs eagerly.
     """
     if fn is None:
         return functools.partial(fused, static_shapes=static_shapes)
