@@ -33,15 +33,24 @@ def mark_tensor_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
 
 
 def init_sharded(param: torch.Tensor, init_method, tracker: str | None = None) -> None:
-    """Initialise a sharded tensor under Megatron's per-rank RNG stream (different values per shard)."""
+    """Initialise a sharded tensor under Megatron's per-rank RNG stream (different values per shard).
+
+    The parameters are built on the CPU, but Megatron's tracker forks the *CUDA* generator when there
+    is one (the CPU generator only under modelzoo's CPU runtime): the values are drawn on that device,
+    or every rank would draw the same shard from the shared CPU generator.
+    """
     from megatron.core import tensor_parallel
+
+    from modelzoo import runtime
 
     with torch.no_grad():
         if tracker is None:
             init_method(param)
-        else:
+        elif not param.is_meta:
             with tensor_parallel.get_cuda_rng_tracker().fork(tracker):
-                init_method(param)
+                values = torch.empty_like(param, device=runtime.device())
+                init_method(values)
+            param.copy_(values)
 
 
 class RMSNorm(nn.Module):
