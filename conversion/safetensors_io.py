@@ -7,12 +7,16 @@ straight to where it is written, and since the mapping goes when the tensor does
 the process's resident memory only while the tensor is in use (a map of the whole file would show the
 whole checkpoint by the end of a streamed conversion).
 The writer fills shards up to a size bound, writes them into a temporary folder beside the target
-and renames it into place only when everything succeeded, so a failure leaves nothing behind.
+and renames it into place only when everything succeeded, so a failure leaves nothing behind. It
+copies a tensor whose bytes are still a file's (one of those maps, or part of one, that nothing wrote
+to: `file_region`) from that file in the kernel (`os.copy_file_range`) rather than from the map.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import io
 import json
 import math
@@ -21,9 +25,12 @@ import os
 import shutil
 import struct
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy
 import torch
 
 SINGLE_FILE = "model.safetensors"
@@ -51,6 +58,38 @@ def _entry_length(name: str, data: torch.Tensor, offset: int) -> int:
 MAP_MIN_BYTES = 1 << 20
 
 
+class _OpenFile:
+    """A file kept open while a map of it lives, so that the writer can copy the mapped bytes from the
+    file itself (`file_region`) after the caller has closed the file object the map was made from.
+    One descriptor per file, shared by all of its maps, closed when the last of them goes."""
+
+    def __init__(self, file: io.IOBase):
+        self.fd = os.dup(file.fileno())
+        self.name = str(getattr(file, "name", "a file"))
+        weakref.finalize(self, os.close, self.fd)
+
+
+class FileRegion(NamedTuple):
+    fd: int
+    offset: int
+    file: str  # its name, for messages
+
+
+class _Region(NamedTuple):
+    mapping: weakref.ref  # the mmap; dead from the moment it is unmapped
+    file: _OpenFile
+    offset: int  # of the region's first byte in the file
+
+
+_open_files: weakref.WeakValueDictionary[tuple[int, int], _OpenFile] = weakref.WeakValueDictionary()
+_regions: dict[int, _Region] = {}  # a live map's tensor's first byte (its storage's data_ptr) -> its file region
+
+
+def _forget(address: int, region: _Region) -> None:
+    if _regions.get(address) is region:  # not a newer map at the same address
+        _regions.pop(address)
+
+
 def file_bytes(file: io.IOBase, offset: int, size: int) -> torch.Tensor:
     """`size` bytes of an open file from `offset` as a uint8 tensor: from `MAP_MIN_BYTES` on, a private
     (copy-on-write) memory map of just those pages, no copy, unmapped when the tensor and every view
@@ -64,7 +103,66 @@ def file_bytes(file: io.IOBase, offset: int, size: int) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
     mapping = mmap.mmap(file.fileno(), offset - start + size, access=mmap.ACCESS_COPY, offset=start)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset - start)
+    data = torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset - start)  # a storage of these bytes
+    stat = os.fstat(file.fileno())
+    source = _open_files.get((stat.st_dev, stat.st_ino))
+    if source is None:  # the descriptor holds the file, so no other file gets its inode meanwhile
+        source = _open_files[(stat.st_dev, stat.st_ino)] = _OpenFile(file)
+    region = _regions[data.data_ptr()] = _Region(weakref.ref(mapping), source, offset)
+    weakref.finalize(mapping, _forget, data.data_ptr(), region)
+    return data
+
+
+# flags of a page's 64-bit entry in /proc/self/pagemap (the kernel's Documentation/admin-guide/mm/pagemap.rst)
+_PAGEMAP_PRESENT, _PAGEMAP_SWAPPED, _PAGEMAP_FILE = numpy.uint64(1 << 63), numpy.uint64(1 << 62), numpy.uint64(1 << 61)
+
+
+def _pagemap(address: int, size: int) -> numpy.ndarray | None:
+    """The pagemap entries of the pages of this process's memory from `address` on (`size` bytes), or
+    None where /proc/self/pagemap cannot be read."""
+    first, end = address // mmap.PAGESIZE, -(-(address + size) // mmap.PAGESIZE)
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            raw = os.pread(pagemap.fileno(), 8 * (end - first), 8 * first)
+    except OSError:
+        return None
+    return numpy.frombuffer(raw, dtype="<u8") if len(raw) == 8 * (end - first) else None
+
+
+def _private(pages: numpy.ndarray) -> numpy.ndarray:
+    """Which pages are in memory and not a file's: written, for a page of a copy-on-write map."""
+    return (pages & (_PAGEMAP_PRESENT | _PAGEMAP_FILE)) == _PAGEMAP_PRESENT
+
+
+@functools.cache
+def _pagemap_shows_writes() -> bool:
+    """Whether pagemap shows memory just written as such (an emulated /proc may show no page present)."""
+    probe = torch.ones(2 * mmap.PAGESIZE, dtype=torch.uint8)
+    pages = _pagemap(probe.data_ptr(), probe.nbytes)
+    return pages is not None and bool(_private(pages).all())
+
+
+def _written(address: int, size: int) -> bool:
+    """Whether a page of this process's memory from `address` on (`size` bytes) has been written since
+    it was mapped from a file, as the kernel's page table says: a written page of a copy-on-write map is
+    a private copy, in memory or in swap. True where pagemap cannot tell."""
+    pages = _pagemap(address, size) if _pagemap_shows_writes() else None
+    return pages is None or bool(_private(pages).any() or (pages & _PAGEMAP_SWAPPED).any())
+
+
+def file_region(tensor: torch.Tensor) -> FileRegion | None:
+    """The file bytes that a contiguous CPU tensor's bytes are, as an open descriptor (open while the
+    tensor lives) and offset: when they lie in a map made by `file_bytes` and none of the pages they
+    lie on has been written to (the maps are copy-on-write: an in-place change reaches the memory, not
+    the file); else None."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    storage = tensor.untyped_storage()  # the region's bytes exactly, for a tensor of a map
+    region = _regions.get(storage.data_ptr())
+    # a map another thread is unmapping is dead before it is forgotten
+    if region is None or region.mapping() is None or _written(tensor.data_ptr(), tensor.nbytes):
+        return None
+    return FileRegion(region.file.fd, region.offset + tensor.data_ptr() - storage.data_ptr(), region.file.name)
 
 
 class CheckpointError(ValueError):
@@ -188,6 +286,9 @@ class ShardedWriter:
     """
 
     HEADER_BYTES = 64 * 1024
+    # copy_file_range's errors that mean "not between these files" (different filesystems, a filesystem
+    # or kernel without it), not a failed read or write
+    _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 
     def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
         self.folder = Path(folder)
@@ -198,6 +299,7 @@ class ShardedWriter:
         self._shard_bytes = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
+        self._copies_files = hasattr(os, "copy_file_range")
 
     def __enter__(self) -> ShardedWriter:
         self._stage = staged_folder(self.folder)
@@ -221,9 +323,35 @@ class ShardedWriter:
         self._header[name] = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape),
                               "data_offsets": [self._shard_bytes, self._shard_bytes + size]}
         self._header_length += entry_length
-        self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        region = file_region(data) if self._copies_files else None
+        if region is None or not self._copy(name, region, size):
+            self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self._shard_bytes += size
         self.total_bytes += size
+
+    def _copy(self, name: str, region: FileRegion, size: int) -> bool:
+        """Append a tensor's bytes, which are `region` of a file, by copying them from that file in the
+        kernel: writing them from the map would first fault each of its pages into this process (slow
+        on a VM). False, with nothing appended, when these files cannot be copied between (then no
+        later tensor tries)."""
+        self._file.flush()
+        position = self._file.tell()
+        copied = 0
+        while copied < size:
+            try:
+                step = os.copy_file_range(region.fd, self._file.fileno(), size - copied,
+                                          region.offset + copied, position + copied)
+            except OSError as error:
+                if error.errno not in self._CANNOT_COPY:
+                    raise
+                self._copies_files = False
+                return False  # the file position is still `position`: a write replaces any bytes copied
+            if step == 0:
+                raise CheckpointError(f"tensor {name}: {region.file} ends before byte {region.offset + size}, "
+                                      f"the end of its {size} bytes from byte {region.offset}")
+            copied += step
+        self._file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
+        return True
 
     def copy_file(self, source: Path) -> None:
         shutil.copy2(source, self.staging / source.name)

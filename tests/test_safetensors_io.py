@@ -1,12 +1,16 @@
 """The lazy reader and the atomic sharded writer."""
 
+import errno
+import gc
 import json
 import os
 
+import numpy
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from conversion import safetensors_io
 from conversion.safetensors_io import INDEX_FILE, MAP_MIN_BYTES, CheckpointError, CheckpointReader, ShardedWriter
 
 
@@ -99,3 +103,137 @@ def test_index_listing_a_missing_shard_is_named(tmp_path):
 def test_folder_without_weights_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=f"has neither model.safetensors nor {INDEX_FILE}"):
         CheckpointReader(tmp_path)
+
+
+# --- tensors whose bytes are a file's are copied from the file (os.copy_file_range) --------------
+def mapped_source(folder):
+    """A checkpoint of mapped tensors (>= MAP_MIN_BYTES) between read ones, with a reader of it."""
+    generator = torch.Generator().manual_seed(0)
+    source = {"a.small": torch.randn(5, generator=generator),
+              "b.large": torch.randn(MAP_MIN_BYTES // 4 + 3, generator=generator),  # starts and ends inside a page
+              "c.small": torch.arange(7, dtype=torch.int64),
+              "d.bf16": torch.randn(1024, 1024, generator=generator).to(torch.bfloat16),
+              "e.large": torch.randn(512, 1024, generator=generator)}
+    save_file(source, folder / "model.safetensors")
+    return source, CheckpointReader(folder)
+
+
+def copies(monkeypatch, limit=None, fail=None):
+    """The bytes each call of os.copy_file_range copies, 0 for a failed one; `limit` copies at most
+    that many per call, `fail` is an errno raised from the second call on (the first copies some)."""
+    copy, copied = os.copy_file_range, []
+
+    def counting(src, dst, count, offset_src=None, offset_dst=None):
+        if fail is not None and copied:
+            copied.append(0)
+            raise OSError(fail, os.strerror(fail))
+        done = copy(src, dst, min(count, limit or count), offset_src, offset_dst)
+        copied.append(done)
+        return done
+
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    return copied
+
+
+def write(folder, tensors, max_shard_bytes=6 * MAP_MIN_BYTES):
+    with ShardedWriter(folder, max_shard_bytes=max_shard_bytes) as writer:
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def written_plainly(folder, tensors, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.delattr(os, "copy_file_range")
+        return write(folder, tensors)
+
+
+def test_mapped_tensors_are_copied_from_their_file_and_the_files_are_the_same(tmp_path, monkeypatch):
+    source, reader = mapped_source(tmp_path)
+    got = {name: reader.get(name) for name in source}
+    tensors = got | {"f.rows": got["e.large"][100:400],  # part of a map: a region of the file too
+                     "g.columns": got["e.large"][:, 8:1000],  # strided: copied together by the writer
+                     "h.fresh": got["d.bf16"] * 1}
+    copied = copies(monkeypatch, limit=300_001)  # short copies: the writer goes on where each ended
+    files = write(tmp_path / "copied", tensors)
+    assert len(files) > 2, "the bound should have produced several shards"
+    assert sum(copied) == sum(tensors[name].nbytes for name in ("b.large", "d.bf16", "e.large", "f.rows"))
+    assert files == written_plainly(tmp_path / "plain", tensors, monkeypatch)
+    written = CheckpointReader(tmp_path / "copied")
+    assert all(torch.equal(written.get(name), tensor) for name, tensor in tensors.items())
+
+
+def test_a_mapped_tensor_changed_in_place_is_written_as_changed(tmp_path, monkeypatch):
+    # the maps are copy-on-write: its file has the old bytes, so they must not be copied from there
+    source, reader = mapped_source(tmp_path)
+    changed, read = reader.get("b.large"), reader.get("e.large")
+    changed[-1] = 42.0
+    read.sum()  # read (its pages mapped in), not written: still the file's bytes
+    copied = copies(monkeypatch)
+    files = write(tmp_path / "out", {"b.large": changed, "e.large": read})
+    assert sum(copied) == read.nbytes
+    assert files == written_plainly(tmp_path / "plain", {"b.large": changed, "e.large": read}, monkeypatch)
+    assert CheckpointReader(tmp_path / "out").get("b.large")[-1] == 42.0
+
+
+LYING_PAGEMAPS = {"unreadable": lambda address, size: None,
+                  "showing no page present": lambda address, size: numpy.zeros(size // 4096 + 2, dtype="<u8")}
+
+
+@pytest.mark.parametrize("pagemap", list(LYING_PAGEMAPS))
+def test_where_pagemap_cannot_tell_what_was_written_tensors_are_written_from_memory(tmp_path, monkeypatch, pagemap):
+    source, reader = mapped_source(tmp_path)
+    tensors = {name: reader.get(name) for name in source}
+    plain = written_plainly(tmp_path / "plain", tensors, monkeypatch)
+    copied = copies(monkeypatch)
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors_io, "_pagemap", LYING_PAGEMAPS[pagemap])
+        safetensors_io._pagemap_shows_writes.cache_clear()  # probes the patched pagemap...
+        try:
+            files = write(tmp_path / "out", tensors)
+        finally:
+            safetensors_io._pagemap_shows_writes.cache_clear()  # ...and the real one from now on
+    assert copied == [] and files == plain
+
+
+@pytest.mark.parametrize("error", [errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP], ids=errno.errorcode.get)
+def test_writer_writes_from_memory_where_the_files_cannot_be_copied_between(tmp_path, monkeypatch, error):
+    source, reader = mapped_source(tmp_path)
+    tensors = {name: reader.get(name) for name in source}
+    copied = copies(monkeypatch, limit=MAP_MIN_BYTES // 2, fail=error)  # fails halfway through b.large
+    files = write(tmp_path / "out", tensors)
+    assert copied == [MAP_MIN_BYTES // 2, 0], "one failure, then no more tries"
+    assert files == written_plainly(tmp_path / "plain", tensors, monkeypatch)
+
+
+def test_other_copy_errors_and_a_file_ending_early_are_raised(tmp_path, monkeypatch):
+    source, reader = mapped_source(tmp_path)
+    tensor = reader.get("b.large")
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "copy_file_range", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        write(tmp_path / "failed", {"b.large": tensor})
+    monkeypatch.setattr(os, "copy_file_range", lambda *args: 0)
+    with pytest.raises(CheckpointError, match=r"tensor b.large: .*model.safetensors ends before byte \d+"):
+        write(tmp_path / "short", {"b.large": tensor})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_tensors_are_copied_after_the_reader_is_closed_and_leave_no_descriptors(tmp_path, monkeypatch):
+    source, reader = mapped_source(tmp_path)
+    gc.collect()  # what earlier tests left behind goes now, not while counting
+    descriptors = len(os.listdir("/proc/self/fd"))
+    tensors = {name: reader.get(name) for name in source}
+    reader.close()  # the maps' file stays open for the copy
+    copied = copies(monkeypatch)
+    write(tmp_path / "out", tensors)
+    assert sum(copied) == sum(tensors[name].nbytes for name in ("b.large", "d.bf16", "e.large"))
+    written = CheckpointReader(tmp_path / "out")
+    assert all(torch.equal(written.get(name), tensor) for name, tensor in source.items())
+    written.close()
+    del tensors
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == descriptors

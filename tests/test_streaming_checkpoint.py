@@ -1,8 +1,10 @@
 """Streaming conversion (conversion/torch_dist_streaming.py): Megatron's exact torch_dist files, memory of a
 few tensors, not of the model."""
 
+import gc
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conversion import engine, megatron_ckpt
-from conversion.safetensors_io import CheckpointReader
+from conversion.safetensors_io import MAP_MIN_BYTES, CheckpointReader
 from conversion.torch_dist_streaming import without_crc32
 from conversion.transforms import RowBlocks
 from modelzoo import runtime
@@ -169,6 +171,40 @@ def test_fc1_is_exported_from_its_halves_as_read(tmp_path, monkeypatch):
     blocks = {block.data_ptr() for name in fc1 for block in streamed[name].blocks}
     halves = [name for name in exported if name.endswith(("gate_proj.weight", "up_proj.weight"))]
     assert halves and all(exported[name].data_ptr() in blocks for name in halves)
+
+
+def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tmp_path, make_tiny, monkeypatch):
+    """At TP 1 the tensors of at least MAP_MIN_BYTES are exported as read: maps of the .distcp file,
+    which the writer copies from that file (os.copy_file_range). The files are those the plain writes
+    make, and nothing stays open."""
+    source = tmp_path / "hf"
+    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2}, max_shard_bytes=8 * MiB)
+    copy, copied = os.copy_file_range, []
+    with runtime.parallel():
+        provider = build_provider(source, params_dtype=torch.bfloat16)
+        skeleton = provider.provide_skeleton()
+        megatron_ckpt.save(skeleton, tmp_path / "megatron", {}, [], progress=False,
+                           weights=engine.hf_weights(skeleton, provider.mapping(), provider.checkpoint_reader(source)))
+
+        def export(out):
+            weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "megatron", 8 * MiB)
+            provider.save_hf(weights, out, max_shard_bytes=8 * MiB, source_dir=source)
+            return {path.name: path.read_bytes() for path in sorted(out.iterdir())}
+
+        with monkeypatch.context() as patch:
+            patch.delattr(os, "copy_file_range")
+            plain = export(tmp_path / "plain")
+        gc.collect()
+        descriptors = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(os, "copy_file_range", lambda *args: copied.append(copy(*args)) or copied[-1])
+        assert export(tmp_path / "copied") == plain
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == descriptors
+    original, exported = CheckpointReader(source), CheckpointReader(tmp_path / "copied")
+    expected = {name: original.get(name) for name in original.names()}
+    assert sum(copied) == sum(tensor.nbytes for tensor in expected.values() if tensor.nbytes >= MAP_MIN_BYTES)
+    assert len(plain) > 2, "config.json and several shards"
+    assert all(torch.equal(exported.get(name), tensor) for name, tensor in expected.items())
 
 
 def test_a_view_is_saved_as_its_clone_without_copying():
