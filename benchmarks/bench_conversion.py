@@ -7,11 +7,13 @@ shards, then measures, each in its own process so peak RSS is that step's alone:
   baseline   read every tensor with safetensors and write the same bytes into shards with safetensors
   import     modelzoo import  HF -> Megatron torch_dist (bf16, TP 1)
   export     modelzoo export  Megatron -> HF
+  export from memory   the same with every tensor written from its memory map, not copied in the kernel
+                       with os.copy_file_range (in process only: the A/B of that copy)
 twice: "in process" times the conversion alone, in a process that has imported its libraries and
 converted the shipped tiny LoopCoder checkpoint first (library imports, lazy module loading and process
 start-up are a fixed cost that does not grow with the checkpoint); "CLI" times the whole command from the
 child's start. Each timed step starts after `sync` (no dirty pages left by an earlier step); peak RSS
-is the step's own peak (VmHWM reset) above the RSS at its start. The three steps run `--rounds` times
+is the step's own peak (VmHWM reset) above the RSS at its start. The steps run `--rounds` times
 in turn, and each ratio is taken against the baseline of its own round (this machine's write speed
 drifts over minutes). Prints a table; writes JSON.
 """
@@ -91,10 +93,18 @@ def import_(source, out, shard_bytes):
 
 def export(source, out, shard_bytes):
     cli._export_rank(0, source, out, 1, 1, shard_bytes, OPTIONS)
+
+
+def export_from_memory(source, out, shard_bytes):
+    # the writer without its kernel-side copies (every tensor written from its map): the A/B of `export`
+    from conversion.safetensors_io import ShardedWriter
+
+    ShardedWriter._copy = lambda self, name, region, size: False
+    export(source, out, shard_bytes)
 """
 
 WARM_AND_MEASURE = MEASURING + """
-from steps import baseline, export, import_
+from steps import baseline, export, export_from_memory, import_
 
 if __name__ == "__main__":
     warm = {warm!r}
@@ -207,7 +217,9 @@ def main() -> None:
         rounds["in process"].append([
             removing(in_process("baseline read+write", "baseline", source, "copy"), "copy"),
             in_process("modelzoo import", "import_", source, "megatron"),
-            removing(in_process("modelzoo export", "export", work / "megatron", "exported"), "megatron", "exported"),
+            removing(in_process("modelzoo export", "export", work / "megatron", "exported"), "exported"),
+            removing(in_process("export from memory", "export_from_memory", work / "megatron", "exported"),
+                     "megatron", "exported"),
         ])
         rounds["CLI"].append([
             removing(measure("baseline read+write", baseline_cli), "copy-cli"),
