@@ -22,18 +22,20 @@ import torch
 Function = TypeVar("Function", bound=Callable)
 
 
-def fused(fn: Function | None = None, *, static_shapes: bool = False):
+def fused(fn: Function) -> Function:
     """`fn` compiled on first use with CUDA tensors (the first argument decides); eager on CPU.
 
-    By default torch.compile makes a dimension symbolic once it has seen two sizes of it, and a
-    reduction of symbolic length compiles to a slower kernel: DeepSeek-V4's attention softmax over 256
-    and 288 keys (after a call with 1280) took 135 / 133 us per call, 90 / 77 us compiled for static
-    shapes (H200, 2026-12-03, launch included). `@fused(static_shapes=True)` compiles one kernel per
-    distinct shape instead: few in training, where the shapes repeat every step; past torch's
-    recompile limit (8 by default) a new shape runs eagerly.
+    Compiled for static shapes: one kernel per distinct input shape, few in training, where the shapes
+    repeat every step (past torch's recompile limit, 8 by default, a new shape runs eagerly). torch's
+    default makes a dimension symbolic once it has seen two sizes of it. On the H200 (torch 2.11,
+    2026-12-03) that default went wrong twice:
+    - once the hyper-connection and query kernels had been compiled for another hidden size
+      (tests/deepseek_v4/test_fused_gpu.py), DeepSeek-V4's tiny model gave gradients off by up to their
+      own size and different on every run, with the forward right; the same comparison passed in a
+      fresh process, where each kernel is compiled for the first shapes it sees;
+    - a reduction of symbolic length is slower: the attention softmax over 256 and 288 keys (after a
+      call with 1280) took 135 / 133 us per call, 90 / 77 us compiled for static shapes (launch included).
     """
-    if fn is None:
-        return functools.partial(fused, static_shapes=static_shapes)
     compiled = None
 
     @functools.wraps(fn)
@@ -42,7 +44,7 @@ def fused(fn: Function | None = None, *, static_shapes: bool = False):
         if not args[0].is_cuda:
             return fn(*args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=False if static_shapes else None)
+            compiled = torch.compile(fn, dynamic=False)
         return compiled(*args, **kwargs)
 
     run.eager = fn

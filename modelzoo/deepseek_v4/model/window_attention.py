@@ -36,7 +36,7 @@ def _logits(scores, visible, scale: float):
     return (scores * scale).masked_fill(~visible, float("-inf"))
 
 
-@fused(static_shapes=True)
+@fused
 def _probabilities(scores, visible, sinks, scale: float, dtype: torch.dtype):
     """Scores [B, n, W, h, keys] (fp32, unscaled) -> probabilities (`dtype`) and log-sum-exp [B, n, W, h] (fp32)."""
     scores = _logits(scores, visible, scale)
@@ -46,14 +46,14 @@ def _probabilities(scores, visible, sinks, scale: float, dtype: torch.dtype):
     return torch.exp(scores - lse.unsqueeze(-1)).to(dtype), lse
 
 
-@fused(static_shapes=True)
+@fused
 def _output_terms(out_grad, out, lse, sinks):
     """dO . O per row [B, n, W, h] and the sinks' gradient over these rows, -sum p_sink * (dO . O) [h]."""
     delta = (out_grad.float() * out.float()).sum(-1).view(lse.shape)
     return delta, -(torch.exp(sinks.float() - lse) * delta).flatten(0, -2).sum(0)
 
 
-@fused(static_shapes=True)
+@fused
 def _score_gradients(scores, visible, lse, value_grads, delta, scale: float, dtype: torch.dtype):
     """-> d(loss)/d(unscaled score) = scale * p * (dO . v - dO . O) and p, both in `dtype` for the GEMMs.
 
