@@ -3,19 +3,24 @@
     python benchmarks/bench_conversion.py [--workdir DIR] [--layers 16] [--rounds 3]
 
 Makes a synthetic LoopCoder-shaped bf16 checkpoint (hidden 2048, 16 layers: ~2 GB) in several
-shards, then measures, each in its own process so peak RSS is that step's alone:
+shards, then measures, each kind of step in its own process:
   baseline   read every tensor with safetensors and write the same bytes into shards with safetensors
   import     modelzoo import  HF -> Megatron torch_dist (bf16, TP 1)
-  export     modelzoo export  Megatron -> HF
+  export     modelzoo export  Megatron -> HF (of the import's files)
   export from memory   the same with every tensor written from its memory map, not copied in the kernel
-                       with os.copy_file_range (in process only: the A/B of that copy)
+                       with os.copy_file_range (the writer's documented fallback; in process only: the
+                       A/B of that copy)
 twice: "in process" times the conversion alone, in a process that has imported its libraries and
 converted the shipped tiny LoopCoder checkpoint first (library imports, lazy module loading and process
-start-up are a fixed cost that does not grow with the checkpoint); "CLI" times the whole command from the
-child's start. Each timed step starts after `sync` (no dirty pages left by an earlier step); peak RSS
-is the step's own peak (VmHWM reset) above the RSS at its start. The steps run `--rounds` times
-in turn, and each ratio is taken against the baseline of its own round (this machine's write speed
-drifts over minutes). Prints a table; writes JSON.
+start-up are a fixed cost that does not grow with the checkpoint), `--rounds` times in turn with the
+baseline in that same process, after one pair that is not reported: each ratio is the step's time over
+the baseline's just before it (this VM's speed drifts within a minute: a baseline measured a minute
+apart from the step explains more of a ratio than the conversion does); "CLI" times the whole command
+from the child's start, baseline, import and export in turn, `--rounds` times, each ratio against the
+baseline of its round. Each timed step starts with its input files read into the page cache (this VM's
+host reclaims cached pages at random), after `sync` (no dirty pages left by an earlier step) and
+`malloc_trim`; peak RSS is the step's own peak (VmHWM reset) above the RSS at its start. Prints a
+table; writes JSON.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ CONFIG = {
 # too many pile up, so a step run after another's writes would be slowed by them) and with the peak
 # RSS reset; it reports wall time and peak RSS above the RSS it started with.
 MEASURING = """
-import os, time
+import ctypes, os, time
+from pathlib import Path
 
 
 def _rss_kib(field):
@@ -51,22 +57,30 @@ def _rss_kib(field):
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
-def start():
+def start(inputs):
+    # the step's input files read into the page cache first: this VM's host reclaims cached pages at
+    # random, and a step that happens to read from the disk measures the disk, not the step
+    for path in sorted(Path(inputs).rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as file:
+                while file.read(64 << 20):
+                    pass
     os.sync()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory an earlier step freed is not counted at this one's start
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets the peak RSS (VmHWM) to the current RSS
     return time.perf_counter(), _rss_kib("VmRSS")
 
 
-def report(started):
+def report(started, label="step"):
     seconds, start_kib = time.perf_counter() - started[0], started[1]
-    print("MEASURED", seconds, start_kib, _rss_kib("VmHWM"))
+    print("MEASURED", label, seconds, start_kib, _rss_kib("VmHWM"))
 """
 
 # The whole command, timed from the child's start.
 MEASURE = MEASURING + """
 import runpy, sys
-started = start()
+started = start({inputs!r})
 sys.argv = {argv!r}
 try:
     {run}
@@ -99,11 +113,14 @@ def export_from_memory(source, out, shard_bytes):
     # the A/B of `export`: without os.copy_file_range the writer writes every tensor from its map
     import os
 
-    del os.copy_file_range
+    if hasattr(os, "copy_file_range"):  # gone for the rest of the process
+        del os.copy_file_range
     export(source, out, shard_bytes)
 """
 
 WARM_AND_MEASURE = MEASURING + """
+import shutil
+
 from steps import baseline, export, export_from_memory, import_
 
 if __name__ == "__main__":
@@ -111,9 +128,19 @@ if __name__ == "__main__":
     import_({tiny!r}, warm + "/megatron", 2**30)
     export(warm + "/megatron", warm + "/hf", 2**30)
     baseline({tiny!r}, warm + "/copy", 2**30)
-    started = start()
-    {step}(*{args!r})
-    report(started)
+    hf, copy, source, out, shard_bytes = {args!r}
+    # one pair more than reported, first: a process's first pass over 2 GB of fresh memory pays for pages
+    # this VM's host took back (the first baseline of each child took 2-5x the others on 2026-12-03)
+    for repeat in range({rounds} + 1):
+        started = start(hf)
+        baseline(hf, copy, shard_bytes)
+        report(started, "baseline" if repeat else "warm-up")
+        shutil.rmtree(copy)
+        started = start(source)
+        {step}(source, out, shard_bytes)
+        report(started, "step" if repeat else "warm-up")
+        if repeat < {rounds}:
+            shutil.rmtree(out)
 """
 
 BASELINE = """
@@ -155,26 +182,30 @@ def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
     return total_bytes
 
 
-def measure(label: str, code: str) -> dict:
+def measure(label: str, code: str) -> list[dict]:
+    """Run `code` in a child; its MEASURED lines, in order, as {step, seconds, peak RSS above start}."""
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-3000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("MEASURED"))
-    seconds, start_kib, peak_kib = (float(value) for value in line.split()[1:])
-    return {"step": label, "seconds": seconds, "peak_rss_above_start_gib": (peak_kib - start_kib) / 2**20}
+    results = []
+    for line in done.stdout.splitlines():
+        if line.startswith("MEASURED") and not line.startswith("MEASURED warm-up"):
+            kind, seconds, start_kib, peak_kib = line.split()[1:]
+            results.append({"step": "baseline read+write" if kind == "baseline" else label, "seconds": float(seconds),
+                            "peak_rss_above_start_gib": (float(peak_kib) - float(start_kib)) / 2**20})
+    return results
 
 
-def summarise(per_round: list[list[dict]]) -> list[dict]:
-    """Per step: median seconds, median of the per-round ratios to that round's baseline, the largest peak RSS."""
-    summary = []
-    for index, step in enumerate(per_round[0]):
-        rows = [results[index] for results in per_round]
-        ratios = [results[index]["seconds"] / results[0]["seconds"] for results in per_round]
-        summary.append({"step": step["step"], "seconds": statistics.median(row["seconds"] for row in rows),
-                        "time_vs_baseline": statistics.median(ratios), "time_vs_baseline_per_round": ratios,
-                        "seconds_per_round": [row["seconds"] for row in rows],
-                        "peak_rss_above_start_gib": max(row["peak_rss_above_start_gib"] for row in rows)})
-    return summary
+def summarise(pairs: list[tuple[dict, dict]]) -> dict:
+    """A step against its baselines: median seconds, the median of the per-pair ratios, the largest peak RSS."""
+    steps = [step for _, step in pairs]
+    ratios = [step["seconds"] / baseline["seconds"] for baseline, step in pairs]
+    return {"step": steps[0]["step"], "seconds": statistics.median(step["seconds"] for step in steps),
+            "baseline_seconds": statistics.median(baseline["seconds"] for baseline, _ in pairs),
+            "time_vs_baseline": statistics.median(ratios), "time_vs_baseline_per_round": ratios,
+            "seconds_per_round": [step["seconds"] for step in steps],
+            "baseline_seconds_per_round": [baseline["seconds"] for baseline, _ in pairs],
+            "peak_rss_above_start_gib": max(step["peak_rss_above_start_gib"] for step in steps)}
 
 
 def main() -> None:
@@ -192,52 +223,53 @@ def main() -> None:
     (work / "steps.py").write_text(STEPS)
     tiny = str(ROOT / "tiny_checkpoints" / "loopcoder-tiny")
 
-    def in_process(label: str, step: str, source_dir: Path, out_name: str) -> dict:
+    def in_process(label: str, step: str, source_dir: Path, out_name: str, *remove: str) -> dict:
+        """`step` timed `--rounds` times, each right after the baseline, in one warmed-up child."""
         warm = work / f"warm-{out_name}"
         shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir()
         code = f"import sys; sys.path.insert(0, {str(work)!r})\n" + WARM_AND_MEASURE.format(
-            warm=str(warm), tiny=tiny, step=step, args=(str(source_dir), str(work / out_name), args.shard_bytes))
-        return measure(label, code)
+            warm=str(warm), tiny=tiny, step=step, rounds=args.rounds,
+            args=(str(source), str(work / "copy"), str(source_dir), str(work / out_name), args.shard_bytes))
+        results = measure(label, code)
+        for output in remove:  # outputs no later step reads (tmpfs holds them in memory)
+            shutil.rmtree(work / output)
+        return summarise(list(zip(results[0::2], results[1::2])))
 
     def cli(label: str, argv: list[str]) -> dict:
-        return measure(label, MEASURE.format(argv=argv, run='runpy.run_module("conversion.cli", run_name="__main__")'))
+        return measure(label, MEASURE.format(argv=argv, inputs=argv[2],
+                                             run='runpy.run_module("conversion.cli", run_name="__main__")'))[0]
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
+                                  inputs=str(source),
                                   run=f"runpy.run_path({str(work / 'baseline.py')!r}, run_name='__main__')")
 
-    def removing(result: dict, *outputs: str) -> dict:
-        """`result` of a step, after removing the outputs no later step reads (tmpfs holds them in memory)."""
-        for output in outputs:
-            shutil.rmtree(work / output)
-        return result
-
-    rounds = {"in process": [], "CLI": []}
+    groups = {"in process": [
+        in_process("modelzoo import", "import_", source, "megatron"),
+        in_process("modelzoo export", "export", work / "megatron", "exported", "exported"),
+        in_process("export from memory", "export_from_memory", work / "megatron", "exported", "megatron", "exported"),
+    ]}
+    cli_pairs = {"modelzoo import": [], "modelzoo export": []}
     for _ in range(args.rounds):  # baseline, import, export, then again: each ratio is taken within its round
-        rounds["in process"].append([
-            removing(in_process("baseline read+write", "baseline", source, "copy"), "copy"),
-            in_process("modelzoo import", "import_", source, "megatron"),
-            removing(in_process("modelzoo export", "export", work / "megatron", "exported"), "exported"),
-            removing(in_process("export from memory", "export_from_memory", work / "megatron", "exported"),
-                     "megatron", "exported"),
-        ])
-        rounds["CLI"].append([
-            removing(measure("baseline read+write", baseline_cli), "copy-cli"),
-            cli("modelzoo import", ["modelzoo", "import", str(source), str(work / "megatron-cli"),
-                                    "--dtype", "bfloat16"]),
-            removing(cli("modelzoo export", ["modelzoo", "export", str(work / "megatron-cli"),
-                                             str(work / "exported-cli"), "--max-shard-bytes", str(args.shard_bytes)]),
-                     "megatron-cli", "exported-cli"),
-        ])
-    groups = {timing: summarise(per_round) for timing, per_round in rounds.items()}
+        baseline = measure("baseline read+write", baseline_cli)[0]
+        shutil.rmtree(work / "copy-cli")
+        cli_pairs["modelzoo import"].append((baseline, cli("modelzoo import", [
+            "modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"])))
+        cli_pairs["modelzoo export"].append((baseline, cli("modelzoo export", [
+            "modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
+            "--max-shard-bytes", str(args.shard_bytes)])))
+        for output in ("megatron-cli", "exported-cli"):
+            shutil.rmtree(work / output)
+    groups["CLI"] = [summarise(pairs) for pairs in cli_pairs.values()]
+
     print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")
     for timing, results in groups.items():
-        print(f"\n{timing}, median of {args.rounds} rounds (ratio: median of the per-round ratios)\n"
-              f"{'step':<22}{'seconds':>9}{'x baseline':>12}{'per round':>24}{'peak RSS GiB':>14}")
+        print(f"\n{timing}, {args.rounds} rounds (ratio: median of the per-round ratios to the baseline)\n"
+              f"{'step':<20}{'seconds':>9}{'baseline s':>12}{'x baseline':>12}{'peak RSS GiB':>14}  per round")
         for row in results:
             per_round = " ".join(f"{ratio:.2f}" for ratio in row["time_vs_baseline_per_round"])
-            print(f"{row['step']:<22}{row['seconds']:>9.1f}{row['time_vs_baseline']:>12.2f}{per_round:>24}"
-                  f"{row['peak_rss_above_start_gib']:>14.2f}")
+            print(f"{row['step']:<20}{row['seconds']:>9.1f}{row['baseline_seconds']:>12.1f}"
+                  f"{row['time_vs_baseline']:>12.2f}{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
     Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
                                           "results": groups}, indent=2))
 
