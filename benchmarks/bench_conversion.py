@@ -19,7 +19,8 @@ apart from the step explains more of a ratio than the conversion does); "CLI" ti
 from the child's start, baseline, import and export in turn, `--rounds` times, each ratio against the
 baseline of its round. Each timed step starts with its input files read into the page cache (this VM's
 host reclaims cached pages at random), after `sync` (no dirty pages left by an earlier step) and
-`malloc_trim`; peak RSS is the step's own peak (VmHWM reset) above the RSS at its start. Prints a
+`malloc_trim`; peak RSS is the step's own peak (VmHWM reset) above the RSS at its start; CPU seconds
+are the process's user + system time over the step (medians, the step's and its baselines'). Prints a
 table; writes JSON.
 """
 
@@ -69,12 +70,17 @@ def start(inputs):
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory an earlier step freed is not counted at this one's start
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets the peak RSS (VmHWM) to the current RSS
-    return time.perf_counter(), _rss_kib("VmRSS")
+    return time.perf_counter(), _rss_kib("VmRSS"), _cpu_seconds()
+
+
+def _cpu_seconds():
+    times = os.times()
+    return times.user + times.system
 
 
 def report(started, label="step"):
-    seconds, start_kib = time.perf_counter() - started[0], started[1]
-    print("MEASURED", label, seconds, start_kib, _rss_kib("VmHWM"))
+    seconds, start_kib, cpu_seconds = time.perf_counter() - started[0], started[1], _cpu_seconds() - started[2]
+    print("MEASURED", label, seconds, start_kib, _rss_kib("VmHWM"), cpu_seconds)
 """
 
 # The whole command, timed from the child's start.
@@ -190,8 +196,9 @@ def measure(label: str, code: str) -> list[dict]:
     results = []
     for line in done.stdout.splitlines():
         if line.startswith("MEASURED") and not line.startswith("MEASURED warm-up"):
-            kind, seconds, start_kib, peak_kib = line.split()[1:]
+            kind, seconds, start_kib, peak_kib, cpu_seconds = line.split()[1:]
             results.append({"step": "baseline read+write" if kind == "baseline" else label, "seconds": float(seconds),
+                            "cpu_seconds": float(cpu_seconds),
                             "peak_rss_above_start_gib": (float(peak_kib) - float(start_kib)) / 2**20})
     return results
 
@@ -205,6 +212,8 @@ def summarise(pairs: list[tuple[dict, dict]]) -> dict:
             "time_vs_baseline": statistics.median(ratios), "time_vs_baseline_per_round": ratios,
             "seconds_per_round": [step["seconds"] for step in steps],
             "baseline_seconds_per_round": [baseline["seconds"] for baseline, _ in pairs],
+            "cpu_seconds": statistics.median(step["cpu_seconds"] for step in steps),
+            "baseline_cpu_seconds": statistics.median(baseline["cpu_seconds"] for baseline, _ in pairs),
             "peak_rss_above_start_gib": max(step["peak_rss_above_start_gib"] for step in steps)}
 
 
@@ -265,11 +274,13 @@ def main() -> None:
     print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")
     for timing, results in groups.items():
         print(f"\n{timing}, {args.rounds} rounds (ratio: median of the per-round ratios to the baseline)\n"
-              f"{'step':<20}{'seconds':>9}{'baseline s':>12}{'x baseline':>12}{'peak RSS GiB':>14}  per round")
+              f"{'step':<20}{'seconds':>9}{'baseline s':>12}{'x baseline':>12}{'CPU s':>7}{'baseline':>10}"
+              f"{'peak RSS GiB':>14}  per round")
         for row in results:
             per_round = " ".join(f"{ratio:.2f}" for ratio in row["time_vs_baseline_per_round"])
             print(f"{row['step']:<20}{row['seconds']:>9.1f}{row['baseline_seconds']:>12.1f}"
-                  f"{row['time_vs_baseline']:>12.2f}{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
+                  f"{row['time_vs_baseline']:>12.2f}{row['cpu_seconds']:>7.1f}{row['baseline_cpu_seconds']:>10.1f}"
+                  f"{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
     Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
                                           "results": groups}, indent=2))
 
