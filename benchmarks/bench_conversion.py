@@ -45,9 +45,10 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
-# In each child: every measured step starts with no dirty pages (the kernel throttles a writer once
-# too many pile up, so a step run after another's writes would be slowed by them) and with the peak
-# RSS reset; it reports wall time and peak RSS above the RSS it started with.
+# In each child: every measured step starts with its input files in the page cache, no dirty pages
+# (the kernel throttles a writer once too many pile up, so a step run after another's writes would be
+# slowed by them) and the peak RSS reset; it reports wall time, peak RSS above the RSS it started with
+# and CPU time.
 MEASURING = """
 import ctypes, os, time
 from pathlib import Path
@@ -189,7 +190,8 @@ def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
 
 
 def measure(label: str, code: str) -> list[dict]:
-    """Run `code` in a child; its MEASURED lines, in order, as {step, seconds, peak RSS above start}."""
+    """Run `code` in a child; its MEASURED lines but the warm-up's, in order, as {step, seconds, CPU
+    seconds, peak RSS above start}."""
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-3000:]}")
@@ -245,8 +247,8 @@ def main() -> None:
             shutil.rmtree(work / output)
         return summarise(list(zip(results[0::2], results[1::2])))
 
-    def cli(label: str, argv: list[str]) -> dict:
-        return measure(label, MEASURE.format(argv=argv, inputs=argv[2],
+    def cli(label: str, argv: list[str], inputs: Path) -> dict:
+        return measure(label, MEASURE.format(argv=argv, inputs=str(inputs),
                                              run='runpy.run_module("conversion.cli", run_name="__main__")'))[0]
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
@@ -263,10 +265,10 @@ def main() -> None:
         baseline = measure("baseline read+write", baseline_cli)[0]
         shutil.rmtree(work / "copy-cli")
         cli_pairs["modelzoo import"].append((baseline, cli("modelzoo import", [
-            "modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"])))
+            "modelzoo", "import", str(source), str(work / "megatron-cli"), "--dtype", "bfloat16"], source)))
         cli_pairs["modelzoo export"].append((baseline, cli("modelzoo export", [
             "modelzoo", "export", str(work / "megatron-cli"), str(work / "exported-cli"),
-            "--max-shard-bytes", str(args.shard_bytes)])))
+            "--max-shard-bytes", str(args.shard_bytes)], work / "megatron-cli")))
         for output in ("megatron-cli", "exported-cli"):
             shutil.rmtree(work / output)
     groups["CLI"] = [summarise(pairs) for pairs in cli_pairs.values()]
