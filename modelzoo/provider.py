@@ -50,6 +50,25 @@ SWIGLU_RMSNORM_FIELDS = dict(
 VOCAB_PADDING_MULTIPLE = 128
 
 
+def keep_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark a parameter or buffer to stay fp32 whatever the model's dtype (RoPE frequencies). `provide` keeps
+    it; a cast of the whole module afterwards (`.bfloat16()`, Megatron-LM's Float16Module) does not know the mark."""
+    tensor.keep_fp32 = True
+    return tensor
+
+
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s floating parameters and buffers to `dtype` in place, but those marked `keep_fp32`."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and not getattr(param, "keep_fp32", False):
+                param.data = param.data.to(dtype)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and not getattr(buffer, "keep_fp32", False):
+                setattr(module, name, buffer.to(dtype))
+    return model
+
+
 class ModelProvider:
     """Builds the Megatron model of one HF config and moves its weights both ways."""
 
@@ -148,8 +167,9 @@ class ModelProvider:
         config = config if config is not None else self.transformer_config()
         model = self.build_model(config)
         # Megatron builds some modules (norms) in fp32 and leaves the cast to Megatron-LM's
-        # Float16Module; we cast here so that every floating tensor has the dtype asked for.
-        return model.to(device=runtime.device(), dtype=config.params_dtype)
+        # Float16Module; we cast here so that every floating tensor has the dtype asked for, but those
+        # the architecture keeps in fp32 (`keep_fp32`)
+        return cast_floating(model, config.params_dtype).to(device=runtime.device())
 
     def provide_skeleton(self) -> torch.nn.Module:
         """The module of `provide()` on the meta device: names, shapes, dtypes, parallel layout and sharded
@@ -158,7 +178,7 @@ class ModelProvider:
         # no device argument in Megatron's parameter constructors, so torch.device("meta") places them all
         config.use_cpu_initialization, config.perform_initialization = True, False
         with torch.device("meta"):
-            return self.build_model(config).to(dtype=self.params_dtype)
+            return cast_floating(self.build_model(config), self.params_dtype)
 
     def checkpoint_reader(self, folder: Path, naming: str | None = None):
         """How this architecture reads a checkpoint folder; one with a native release format overrides it."""

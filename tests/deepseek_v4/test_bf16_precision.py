@@ -39,3 +39,21 @@ def test_bf16_error_is_no_larger_than_transformers(tmp_path):
     print(f"bf16 vs fp32, max |logprob diff|: ours {our_error:.3e}, transformers {their_error:.3e}; "
           f"ours bf16 vs transformers bf16 {between:.3e}")
     assert our_error <= BF16_ERROR_FACTOR * their_error
+
+
+def test_rope_frequencies_stay_fp32_in_a_bf16_model(tmp_path):
+    """`provide()` casts a bf16 model's parameters but not its RoPE frequencies: rounded to bf16, they would
+    move a rotation angle at position 4096 by radians (transformers computes them in fp32 too)."""
+    folder = write_tiny(tmp_path / "tiny")
+    with runtime.parallel():
+        models = {dtype: provider_for(folder, params_dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+        built = {dtype: provider.provide() for dtype, provider in models.items()}
+        skeleton = models[torch.bfloat16].provide_skeleton()
+    frequencies = {dtype: {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+                   for dtype, model in built.items()}
+    assert frequencies[torch.bfloat16].keys() == frequencies[torch.float32].keys() and frequencies[torch.bfloat16]
+    for name, buffer in frequencies[torch.bfloat16].items():
+        assert buffer.dtype == torch.float32 and torch.equal(buffer, frequencies[torch.float32][name]), name
+        assert buffer.to(torch.bfloat16).float().ne(buffer).any(), name  # bf16 would change them
+    assert {name: b.dtype for name, b in skeleton.named_buffers()} == {name: b.dtype for name, b in built[torch.bfloat16].named_buffers()}
+    assert built[torch.bfloat16].embedding.word_embeddings.weight.dtype == torch.bfloat16  # the rest is cast

@@ -5,7 +5,10 @@ casts), because the fp32 parity tests compare against it at 1e-5.
 
 Parameters that transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`:
 norm weights, hyper-connection mappings, attention sinks, compressor position biases, the router's
-correction bias) are fp32 here too (`fp32=True`).
+correction bias) are made fp32 here too (`fp32_param`), but `provide()` casts them to the model's dtype
+like every parameter (as Megatron-LM's Float16Module does): in a bf16 model they are bf16, where
+transformers keeps them fp32. The RoPE frequencies stay fp32 (`keep_fp32`): rounded to bf16, a frequency
+is off by up to 2^-9 of itself, its angle at position 4096 by radians.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.fused import fused
+from modelzoo.provider import keep_fp32
 
 
 def fp32_param(*shape: int, fill: float | None = None) -> nn.Parameter:
@@ -98,10 +102,9 @@ class ReplicatedLinear(nn.Module):
     sums the per-rank gradients (each rank only sees the gradient of its own heads).
     """
 
-    def __init__(self, input_size: int, output_size: int, config, fp32: bool = False):
+    def __init__(self, input_size: int, output_size: int, config):
         super().__init__()
-        dtype = torch.float32 if fp32 else config.params_dtype
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
         with torch.no_grad():
             config.init_method(self.weight)
 
@@ -114,7 +117,7 @@ class RotaryTable(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.register_buffer("inv_freq", keep_fp32(inv_freq.float().clone()), persistent=False)
         self.attention_scaling = attention_scaling
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
