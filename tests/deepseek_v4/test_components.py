@@ -149,3 +149,23 @@ def test_decoder_layer(models, layer):
                                        attention_mask=mask, input_ids=ids)
     ours = mg.decoder.layers[layer](streams, position_ids, ids)
     assert max_diff(ours, reference) <= COMPONENT_TOLERANCE
+
+
+def test_grouped_output_projection_forward_and_backward_float64():
+    """wo_a's grouped GEMM writes tokens-first results into strided views (`bmm(out=)`): against a loop over
+    the groups with autograd, float64, from a non-contiguous input (an exact match up to summation order)."""
+    from modelzoo.deepseek_v4.model.attention import _GroupedMatmul
+
+    with torch.enable_grad():  # the module's fixture holds no_grad
+        generator = torch.Generator().manual_seed(5)
+        groups, inputs, outputs = 3, 8, 5
+        x = torch.randn(inputs, 10, groups, dtype=torch.float64, generator=generator).permute(1, 2, 0).requires_grad_()
+        weight = torch.randn(groups * outputs, inputs, dtype=torch.float64, generator=generator).requires_grad_()
+        upstream = torch.randn(10, groups, outputs, dtype=torch.float64, generator=generator)
+        out = _GroupedMatmul.apply(x, weight, groups)
+        reference = torch.stack([x[:, g] @ weight[g * outputs:(g + 1) * outputs].T for g in range(groups)], dim=1)
+        assert out.shape == (10, groups, outputs) and max_diff(out, reference) <= 1e-12
+        grads = torch.autograd.grad(out, (x, weight), upstream)
+        reference_grads = torch.autograd.grad(reference, (x, weight), upstream)
+        for grad, reference_grad in zip(grads, reference_grads, strict=True):
+            assert max_diff(grad, reference_grad) <= 1e-12

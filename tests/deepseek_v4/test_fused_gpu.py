@@ -9,6 +9,7 @@ import torch
 
 from modelzoo.deepseek_v4.model.attention import normed_rotary_queries
 from modelzoo.deepseek_v4.model.hyper_connection import hc_mix, hc_residual
+from modelzoo.deepseek_v4.model.layers import linear_fp32
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -30,7 +31,7 @@ def _inputs(seed: int, batch: int = 2, seq: int = 256, hidden: int = 512):
 
 def _forward_and_grads(mix, residual, inputs):
     streams, fn, base, scale, block_output = inputs
-    post, comb, collapsed = mix(streams, fn, base, scale, 4, 20, 1e-6, 1e-6)
+    post, comb, collapsed = mix(streams, linear_fp32(streams.flatten(2), fn), base, scale, 4, 20, 1e-6, 1e-6)
     new_streams = residual(post, comb, block_output, streams)
     loss = new_streams.square().mean() + collapsed.square().mean()
     grads = torch.autograd.grad(loss, inputs)

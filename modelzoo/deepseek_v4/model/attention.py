@@ -55,13 +55,38 @@ class GroupedOutputProjection(nn.Module):
         init_sharded(self.weight, config.init_method, "model-parallel-rng")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, G_local, H*D/G] -> [B, S, G_local, o_lora_rank] (transformers' bmm, op for op)."""
-        input_shape = x.shape[:-2]
-        hidden = x.shape[-1]
-        w = self.weight.view(self.local_groups, -1, hidden).transpose(1, 2)
-        x = x.reshape(-1, self.local_groups, hidden).transpose(0, 1)
-        y = torch.bmm(x, w).transpose(0, 1)
-        return y.reshape(*input_shape, self.local_groups, -1)
+        """[B, S, G_local, H*D/G] -> [B, S, G_local, o_lora_rank] (transformers' bmm per group)."""
+        groups_first = _GroupedMatmul.apply(x.reshape(-1, *x.shape[-2:]), self.weight, self.local_groups)
+        return groups_first.view(*x.shape[:-1], -1)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """y[t, g] = x[t, g] @ w[g]^T for tokens t and groups g, in the tokens-first layout throughout.
+
+    One batched GEMM over the groups, each reading and writing strided token rows (`bmm(out=)` into a
+    transposed view): a groups-first result transposed back to tokens-first would cost a copy of the
+    activations forward and backward, and the backward needs no copies either.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, groups: int):
+        """x [T, G, in], weight [G * out, in] -> [T, G, out]."""
+        w = weight.view(groups, -1, weight.shape[-1])
+        y = x.new_empty(x.shape[0], groups, w.shape[1])
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+        ctx.save_for_backward(x, weight)
+        ctx.groups = groups
+        return y
+
+    @staticmethod
+    def backward(ctx, y_grad):
+        x, weight = ctx.saved_tensors
+        w = weight.view(ctx.groups, -1, weight.shape[-1])
+        y_grad = y_grad.transpose(0, 1)                                                  # [G, T, out]
+        x_grad = torch.empty_like(x)
+        torch.bmm(y_grad, w, out=x_grad.transpose(0, 1))
+        weight_grad = torch.bmm(y_grad.transpose(1, 2), x.transpose(0, 1))               # [G, out, in]
+        return x_grad, weight_grad.view_as(weight), None
 
 
 def eager_sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

@@ -8,7 +8,9 @@ map of the flattened, RMS-normalised streams gives
 and the new streams are `post * block(collapsed) + comb^T @ streams`.
 
 All of it is replicated across tensor-parallel ranks (the mapping is [(2+N)N, N*hidden]: small),
-in fp32 like transformers keeps it.
+in fp32 like transformers keeps it. The RMS norm of the flattened streams is a per-token scale, applied
+to the map's output instead of its input (`mixes`): the same value up to fp32 rounding, and the bf16
+streams go into the map as they are (`linear_fp32`), with no normalised fp32 copy of them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.deepseek_v4.model.layers import fp32_param, unweighted_rms_norm
+from modelzoo.deepseek_v4.model.layers import fp32_param, linear_fp32
 from modelzoo.fused import fused
 
 
@@ -35,17 +37,19 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, N, hidden] -> (post [B, S, N], comb [B, S, N, N], collapsed [B, S, hidden])."""
-        return hc_mix(streams, self.fn, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
-                      self.norm_eps)
+        return hc_mix(streams, linear_fp32(streams.flatten(2), self.fn), self.base, self.scale, self.hc_mult,
+                      self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+
+
+def mixes(streams: torch.Tensor, projected: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The map of the RMS-normalised flattened streams, from their unnormalised map `projected` (fp32)."""
+    return projected * torch.rsqrt(streams.flatten(2).float().square().mean(-1, keepdim=True) + norm_eps)
 
 
 @fused
-def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+def hc_mix(streams: torch.Tensor, projected: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, seq_len = streams.shape[:2]
-    flat = unweighted_rms_norm.eager(streams.view(batch, seq_len, -1).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_w, post_w, comb_w = mixes(streams, projected, norm_eps).split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre_scale, post_scale, comb_scale = scale.unbind(0)
     comb_w = comb_w.view(*comb_w.shape[:-1], hc, hc)
@@ -89,13 +93,12 @@ class HyperHead(nn.Module):
             self.fn.normal_(0.0, init_std)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_head_collapse(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps)
+        return hc_head_collapse(streams, linear_fp32(streams.flatten(2), self.fn), self.base, self.scale, self.hc_eps,
+                                self.norm_eps)
 
 
 @fused
-def hc_head_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-                     norm_eps: float) -> torch.Tensor:
-    flat = unweighted_rms_norm.eager(streams.flatten(2).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+def hc_head_collapse(streams: torch.Tensor, projected: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     hc_eps: float, norm_eps: float) -> torch.Tensor:
+    pre = torch.sigmoid(mixes(streams, projected, norm_eps) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)

@@ -89,6 +89,56 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float())
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x.float(), weight.float())`: accumulated and returned in fp32.
+
+    On CUDA with a bf16 `x` it makes no fp32 copy of x, which F.linear would need, and runs on tensor
+    cores: an fp32 weight is split into two bf16 parts, hi + lo (`_bf16_parts`), and one bf16 GEMM with
+    fp32 output multiplies x by all parts (products of bf16 values are exact in fp32); the gradients are
+    made the same way. An fp32 weight is then carried to 2^-18 of its value instead of fp32's 2^-24. For
+    DeepSeek-V4's hyper-connection maps ([tokens, 4 x hidden] by 24 outputs) the fp32 copy and the fp32
+    GEMMs cost more than all the mixing they feed.
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return _Bf16PartsLinear.apply(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
+def _bf16_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """bf16 tensors summing to `t`: itself if bf16, else hi and lo (hi's rounding error, rounded): 2^-18 of t."""
+    if t.dtype == torch.bfloat16:
+        return [t]
+    hi = t.to(torch.bfloat16)
+    return [hi, (t.float() - hi.float()).to(torch.bfloat16)]
+
+
+def _bf16_parts_product(a_parts: list[torch.Tensor], b_parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands of one GEMM that sums a_i @ b_j over the part pairs but lo x lo (2^-18 of 2^-18):
+    [a_i ...] concatenated along columns, [b_j ...] along rows."""
+    pairs = [(a, b) for i, a in enumerate(a_parts) for j, b in enumerate(b_parts) if i + j < 2]
+    return torch.cat([a for a, _ in pairs], dim=1), torch.cat([b for _, b in pairs], dim=0)
+
+
+class _Bf16PartsLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        rows = x.reshape(-1, x.shape[-1])                                                  # [M, K] bf16
+        parts = _bf16_parts(weight)
+        per_part = matmul_fp32(rows[None], torch.cat(parts).t()[None])[0]                  # [M, parts * n]
+        ctx.save_for_backward(x, weight)
+        return sum(per_part.chunk(len(parts), dim=1)).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = x.reshape(-1, x.shape[-1])
+        grad_parts = _bf16_parts(grad.reshape(-1, weight.shape[0]).float())
+        x_grad = torch.mm(*_bf16_parts_product(grad_parts, _bf16_parts(weight)))           # bf16 out, like x
+        per_part = matmul_fp32(torch.cat(grad_parts, dim=1).t()[None], rows[None])[0]      # [parts * n, K]
+        weight_grad = sum(per_part.chunk(len(grad_parts), dim=0))
+        return x_grad.view_as(x), weight_grad.to(weight.dtype)
+
+
 @fused
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
