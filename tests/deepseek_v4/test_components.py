@@ -5,9 +5,11 @@ through the bridge. Inputs are random, [2, 64, hidden], longer than the sliding 
 than the compressors' windows (4 and 16), with more compressed entries (16) than the indexer keeps (4).
 
 COMPONENT_TOLERANCE = 1e-5 (max |diff|): both sides run the same fp32 formulas, so differences come
-only from summation order (measured: bit-identical for every block but the decoder layers, 9.5e-7 there:
-our hyper-connection residual sums its 4 streams as a broadcast sum, transformers as a matmul); a
-wrong weight, layout, mask, rope slice or op order moves these outputs by > 1e-3. Integer outputs (expert ids,
+only from summation order and the order of two products (measured: bit-identical for attention,
+compressors, indexer, routers and MoE; hyper-connections and head up to 1.1e-6, where our RMS scale is
+applied to the map's output and transformers' to its input; decoder layers up to 2.4e-6, where our
+residual also sums the 4 streams as a broadcast sum, transformers as a matmul); a wrong weight, layout,
+mask, rope slice or op order moves these outputs by > 1e-3. Integer outputs (expert ids,
 indexer picks, masks) must be identical.
 """
 
