@@ -231,8 +231,26 @@ def test_streamed_reading_gives_what_megatron_loads(tmp_path, tp):
     assert all(runtime.run(_compare_streamed_with_megatron, tp, str(source), str(saved), tp))
 
 
-def _save_tiny(rank, source, out):
-    with runtime.parallel(tp=2):
+def test_streamed_reading_unpickles_its_metadata_once(tmp_path, monkeypatch):
+    """One load per group; the reader's `.metadata` is unpickled for the first and kept for the others
+    (Megatron's load of the common state reads it with a reader of its own)."""
+    source = TINY / "loopcoder-tiny"
+    _save_tiny(0, str(source), str(tmp_path / "megatron"), tp=1)
+    read_metadata, reads = FileSystemReader.read_metadata, []
+
+    def counted(reader, *args, **kwargs):
+        reads.append(type(reader).__name__)
+        return read_metadata(reader, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
+    with runtime.parallel():
+        provider = build_provider(source)
+        streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "megatron", group_bytes=4096))
+    assert len(streamed) > 2 and reads.count("MappedReader") == 1 and reads.count("FileSystemReader") > 2
+
+
+def _save_tiny(rank, source, out, tp=2):
+    with runtime.parallel(tp=tp):
         provider = build_provider(source)
         skeleton = provider.provide_skeleton()
         reader = provider.checkpoint_reader(Path(source))
