@@ -9,7 +9,8 @@ whole checkpoint by the end of a streamed conversion).
 The writer fills shards up to a size bound, writes them into a temporary folder beside the target
 and renames it into place only when everything succeeded, so a failure leaves nothing behind. It
 copies a tensor whose bytes are still a file's (one of those maps, or part of one, that nothing wrote
-to: `file_region`) from that file in the kernel (`os.copy_file_range`) rather than from the map.
+to: `file_region`) from that file in the kernel (`append_region`, which the torch_dist writer uses too)
+rather than from the map.
 """
 
 from __future__ import annotations
@@ -165,6 +166,34 @@ def file_region(tensor: torch.Tensor) -> FileRegion | None:
     return FileRegion(region.file.fd, region.offset + tensor.data_ptr() - storage.data_ptr(), region.file.name)
 
 
+# copy_file_range's errors that mean "not between these files" (different filesystems, a filesystem or
+# kernel without it), not a failed read or write
+_CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
+
+
+def append_region(file: io.BufferedWriter, region: FileRegion, size: int, what: str) -> bool:
+    """Append `size` bytes of a file from `region` to `file` (at its position), copied in the kernel
+    (`os.copy_file_range`): writing them from a map of them would first fault each of its pages into
+    this process (slow on a VM). False, with `file`'s position unchanged, when these files cannot be
+    copied between; the caller writes the bytes instead, over any copied. `what` names them in errors."""
+    file.flush()
+    position = file.tell()
+    copied = 0
+    while copied < size:
+        try:
+            step = os.copy_file_range(region.fd, file.fileno(), size - copied, region.offset + copied, position + copied)
+        except OSError as error:
+            if error.errno not in _CANNOT_COPY:
+                raise
+            return False
+        if step == 0:
+            raise CheckpointError(f"{what}: {region.file} ends before byte {region.offset + size}, "
+                                  f"the end of its {size} bytes from byte {region.offset}")
+        copied += step
+    file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
+    return True
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable or inconsistent."""
 
@@ -286,9 +315,6 @@ class ShardedWriter:
     """
 
     HEADER_BYTES = 64 * 1024
-    # copy_file_range's errors that mean "not between these files" (different filesystems, a filesystem
-    # or kernel without it), not a failed read or write
-    _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 
     def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
         self.folder = Path(folder)
@@ -330,28 +356,10 @@ class ShardedWriter:
         self.total_bytes += size
 
     def _copy(self, name: str, region: FileRegion, size: int) -> bool:
-        """Append a tensor's bytes, which are `region` of a file, by copying them from that file in the
-        kernel: writing them from the map would first fault each of its pages into this process (slow
-        on a VM). False, with nothing appended, when these files cannot be copied between (then no
-        later tensor tries)."""
-        self._file.flush()
-        position = self._file.tell()
-        copied = 0
-        while copied < size:
-            try:
-                step = os.copy_file_range(region.fd, self._file.fileno(), size - copied,
-                                          region.offset + copied, position + copied)
-            except OSError as error:
-                if error.errno not in self._CANNOT_COPY:
-                    raise
-                self._copies_files = False
-                return False  # the file position is still `position`: a write replaces any bytes copied
-            if step == 0:
-                raise CheckpointError(f"tensor {name}: {region.file} ends before byte {region.offset + size}, "
-                                      f"the end of its {size} bytes from byte {region.offset}")
-            copied += step
-        self._file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
-        return True
+        """Append a tensor's bytes, which are `region` of a file, copied from that file (`append_region`);
+        False, with nothing appended, when these files cannot be copied between (then no later tensor tries)."""
+        self._copies_files = append_region(self._file, region, size, f"tensor {name}")
+        return self._copies_files
 
     def copy_file(self, source: Path) -> None:
         shutil.copy2(source, self.staging / source.name)

@@ -7,7 +7,8 @@ sharded state dict comes from the model built on the meta device (names, global 
 factories exactly as Megatron makes them, no memory), Megatron translates it to DCP objects as its own
 torch_dist strategy does, and torch's `FileSystemWriter` writes it through a planner that makes each
 tensor's data only when the writer asks for it (`resolve_data`), straight from where it lies (a memory
-map of the source file) when it can. The files are the ones `dist_checkpointing.save` writes (same
+map of the source file) when it can, and the writer copies such a tensor's bytes from that file in the
+kernel (`CopyingStream`). The files are the ones `dist_checkpointing.save` writes (same
 keys, chunks, `.metadata`, `common.pt`, `metadata.json`, byte for byte) but for the CRC-32 fields of
 each item's `torch.save` zip, left 0, and so its `serialization_id` (`without_crc32`);
 `dist_checkpointing.load` and Megatron-LM read them. Reading back a bounded group at a time:
@@ -25,6 +26,8 @@ This is the one place where `conversion` relies on private behaviour of Megatron
 | torch), `TorchDistSaveShardedStrategy.save` overridden      | Megatron's; only the writer is replaced        |
 | `filesystem._write_item`, `DEFAULT_SUFFIX`, `FileSystemWriter | torch's writer keeps every tensor of a file    |
 | .write_data` overridden                                     | until the file is closed; ours drops each one  |
+| `torch.save`'s zip writer calls `write` on the stream with  | `CopyingStream` recognises a tensor's bytes by |
+| a memoryview of the storage itself, all at once             | their address, to copy them from their file    |
 | `Tensor.untyped_storage()._cdata`                           | which parameter a meta tensor is a view of:    |
 |                                                             | meta tensors have no data pointer, and the     |
 |                                                             | factories (SwiGLU's [gate; up] split) and the  |
@@ -50,12 +53,14 @@ import contextlib
 import dataclasses
 import io
 import math
+import os
 from collections.abc import Callable, Iterator
 
+import numpy
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import file_bytes
+from conversion.safetensors_io import append_region, file_bytes, file_region
 from conversion.transforms import RowBlocks
 
 
@@ -146,6 +151,45 @@ def without_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(computes)
 
 
+class CopyingStream:
+    """A `.distcp` file as `torch.save` writes to it, where the bytes of the tensor being saved (`saving`)
+    are copied from the file they still are a region of (`file_region`: most tensors of an import at TP 1,
+    maps of the source safetensors files), in the kernel (`append_region`), rather than written from
+    their map, which would fault every page of it in. torch's zip writer calls `write` with a memoryview
+    of the storage itself, all of its bytes at once, and with CRC-32 off (`without_crc32`) reads none of
+    them; `_write_item` also calls `tell` and `flush`. The file's bytes are the same either way."""
+
+    def __init__(self, file: io.BufferedWriter):
+        self.file = file
+        self.copies_files = hasattr(os, "copy_file_range")  # False from the first time the files cannot be copied between
+        self.source = None  # (first byte's address, bytes, FileRegion, what) of the tensor being saved
+
+    @contextlib.contextmanager
+    def saving(self, name: str, tensor: torch.Tensor) -> Iterator[None]:
+        region = file_region(tensor) if self.copies_files else None
+        self.source = None if region is None else (tensor.data_ptr(), tensor.nbytes, region, f"tensor {name}")
+        try:
+            yield
+        finally:
+            self.source = None
+
+    def write(self, data) -> int:
+        if self.source is not None and self.copies_files:
+            address, size, region, what = self.source
+            view = memoryview(data)
+            if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
+                self.copies_files = append_region(self.file, region, size, what)
+                if self.copies_files:
+                    return size
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None):
     """A `dist_checkpointing.save` strategy whose writer takes one tensor at a time; `data(meta_view)`
     makes the real data of a meta tensor when it is written (None: every tensor is real)."""
@@ -185,14 +229,20 @@ def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None)
             file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
             items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # stable
             results = []
-            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as stream:
+            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as file:
+                stream = CopyingStream(file)
                 for item in items:
                     resolved = planner.resolve_data(item)
-                    if item.type != WriteItemType.BYTE_IO:
-                        resolved = with_own_storage(resolved.detach())
-                    results.append(_write_item(self.transforms, stream, resolved, item, file_name,
-                                               SerializationFormat.TORCH_SAVE))
-                    del resolved
+                    if item.type == WriteItemType.BYTE_IO:
+                        results.append(_write_item(self.transforms, stream, resolved, item, file_name,
+                                                   SerializationFormat.TORCH_SAVE))
+                        continue
+                    tensor = resolved.detach()
+                    # the tensor, not its own-storage copy, says where its bytes lie in a map (`file_region`)
+                    with stream.saving(item.index.fqn, tensor):
+                        results.append(_write_item(self.transforms, stream, with_own_storage(tensor), item, file_name,
+                                                   SerializationFormat.TORCH_SAVE))
+                    del resolved, tensor
             future = Future()
             future.set_result(results)
             return future

@@ -1,6 +1,7 @@
 """Streaming conversion (conversion/torch_dist_streaming.py): Megatron's exact torch_dist files, memory of a
 few tensors, not of the model."""
 
+import errno
 import gc
 import io
 import json
@@ -205,6 +206,59 @@ def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tm
     assert sum(copied) == sum(tensor.nbytes for tensor in expected.values() if tensor.nbytes >= MAP_MIN_BYTES)
     assert len(plain) > 2, "config.json and several shards"
     assert all(torch.equal(exported.get(name), tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.parametrize("error", [None, errno.EXDEV])
+def test_import_copies_the_tensors_it_saves_as_read_from_the_source_files(tmp_path, make_tiny, monkeypatch, error):
+    """At TP 1 the tensors of at least MAP_MIN_BYTES but the fused QKVs (concatenated) are saved as read:
+    maps of the source safetensors files, which the .distcp writer copies from them (os.copy_file_range)
+    inside torch.save's zip records. The files are those the plain writes make, byte for byte, and
+    nothing stays open; where the files cannot be copied between (EXDEV), they are written plainly."""
+    source = tmp_path / "hf"
+    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2}, max_shard_bytes=8 * MiB)
+    copy, copied = os.copy_file_range, []
+
+    def counting(*args):
+        if error is not None:
+            copied.append(0)
+            raise OSError(error, os.strerror(error))
+        copied.append(copy(*args))
+        return copied[-1]
+
+    with runtime.parallel():
+        provider = build_provider(source, params_dtype=torch.bfloat16)
+
+        def import_(out):
+            skeleton = provider.provide_skeleton()
+            megatron_ckpt.save(skeleton, out, {}, [], progress=False,
+                               weights=engine.hf_weights(skeleton, provider.mapping(), provider.checkpoint_reader(source)))
+            folder = out / megatron_ckpt.RELEASE
+            files = {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.name != ".metadata"}
+            metadata = FileSystemReader(str(folder)).read_metadata()  # its checkpoint_id is the (staging) path
+            return files, metadata.state_dict_metadata, metadata.storage_data
+
+        with monkeypatch.context() as patch:
+            patch.delattr(os, "copy_file_range")
+            plain = import_(tmp_path / "plain")
+        gc.collect()
+        descriptors = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(os, "copy_file_range", counting)
+        assert import_(tmp_path / "copied") == plain
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == descriptors
+        assert any(name.endswith(".distcp") for name in plain[0])
+        streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "copied"))
+    original = CheckpointReader(source)
+    as_read = [original.get(name) for name in original.names() if not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    if error is None:
+        assert sum(copied) == sum(tensor.nbytes for tensor in as_read if tensor.nbytes >= MAP_MIN_BYTES) > 0
+    else:
+        assert copied == [0]  # tried once, then every tensor written from memory
+    megatron = {name: tensor.tensor() if isinstance(tensor, RowBlocks) else tensor for name, tensor in streamed.items()}
+    with runtime.parallel():
+        exported = dict(engine.export_hf_weights(iter(megatron.items()), provider.mapping()))
+    assert exported.keys() == set(original.names())
+    assert all(torch.equal(exported[name], original.get(name)) for name in original.names())
 
 
 def test_a_view_is_saved_as_its_clone_without_copying():
