@@ -7,6 +7,8 @@ A bad input ends with one line on stderr naming what and where, exit code 2, and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -53,8 +55,22 @@ def _refuse_existing(path: Path) -> None:
 
 
 # --- import / export ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _existing_objects_not_collected():
+    """The cyclic GC leaves the objects that exist now out of its collections meanwhile (`gc.freeze`):
+    the ~500k of torch, Megatron and transformers, which a conversion does not free. A conversion
+    allocates enough to trigger full collections, and each of those traversed them all (0.2 CPU-seconds,
+    in about one in four in-process conversions of a 2 GB checkpoint); what the conversion itself
+    allocates is still collected. For the command's ranks only: `gc.unfreeze` also thaws whatever was frozen before."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None) -> int:
-    with runtime.parallel(tp=tp, ep=ep):
+    with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
         # streamed: the model is never built, each tensor is read, sharded and written in turn
         skeleton = provider.provide_skeleton()
@@ -90,7 +106,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
                  options: dict) -> int:
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
-    with runtime.parallel(tp=tp, ep=ep):
+    with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
         # streamed: the model is never built, its tensors are read a bounded group at a time
         weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)

@@ -30,6 +30,19 @@ def test_import_export_reproduces_every_tensor_bit_exactly(tmp_path, capsys, lla
     assert (tmp_path / "hf" / "config.json").read_bytes() == (llama_tiny / "config.json").read_bytes()
 
 
+def test_a_conversion_leaves_the_objects_it_found_out_of_the_gcs_collections():
+    import gc
+
+    from conversion import cli
+
+    found = [cli]
+    with cli._existing_objects_not_collected():
+        made = [cli]
+        collected = {id(obj) for obj in gc.get_objects()}  # all but the frozen
+        assert id(found) not in collected and id(made) in collected
+    assert id(found) in {id(obj) for obj in gc.get_objects()} and gc.get_freeze_count() == 0
+
+
 def test_logprobs_megatron_and_hf_backends_agree(tmp_path, capsys, llama_tiny):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([[1, 5, 9, 200, 3, 17], [4, 4, 250, 8]]))
