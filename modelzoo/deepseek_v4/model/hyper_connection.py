@@ -16,7 +16,6 @@ streams go into the map as they are (`linear_fp32`), with no normalised fp32 cop
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.deepseek_v4.model.layers import fp32_param, linear_fp32
