@@ -56,8 +56,8 @@ class GroupedOutputProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, S, G_local, H*D/G] -> [B, S, G_local, o_lora_rank] (transformers' bmm per group)."""
-        groups_first = _GroupedMatmul.apply(x.reshape(-1, *x.shape[-2:]), self.weight, self.local_groups)
-        return groups_first.view(*x.shape[:-1], -1)
+        tokens_first = _GroupedMatmul.apply(x.reshape(-1, *x.shape[-2:]), self.weight, self.local_groups)
+        return tokens_first.view(*x.shape[:-1], -1)
 
 
 class _GroupedMatmul(torch.autograd.Function):

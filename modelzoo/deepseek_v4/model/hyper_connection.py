@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelzoo.deepseek_v4.model.layers import fp32_param, linear_fp32
+from modelzoo.deepseek_v4.model.layers import fp32_param, inverse_rms, linear_fp32
 from modelzoo.fused import fused
 
 
@@ -42,7 +42,7 @@ class HyperConnection(nn.Module):
 
 def mixes(streams: torch.Tensor, projected: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """The map of the RMS-normalised flattened streams, from their unnormalised map `projected` (fp32)."""
-    return projected * torch.rsqrt(streams.flatten(2).float().square().mean(-1, keepdim=True) + norm_eps)
+    return projected * inverse_rms(streams.flatten(2), norm_eps)
 
 
 @fused

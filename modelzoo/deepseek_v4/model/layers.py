@@ -139,9 +139,14 @@ class _Bf16PartsLinear(torch.autograd.Function):
         return x_grad.view_as(x), weight_grad.to(weight.dtype)
 
 
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS over the last dim, fp32, kept as a dim of size 1 (the scale of an unweighted RMS norm)."""
+    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+
+
 @fused
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * inverse_rms(x, eps).to(x.dtype)
 
 
 class ReplicatedLinear(nn.Module):
