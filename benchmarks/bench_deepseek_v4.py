@@ -120,6 +120,7 @@ def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
                      experimental_config=stacks, record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
+    print_gpu_idle(prof)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=40,
@@ -127,6 +128,30 @@ def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
     # which source lines own the GPU time (eager paths; a replayed graph is one opaque entry)
     print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cuda_time_total", row_limit=60,
                                                       max_name_column_width=40, max_src_column_width=90))
+
+
+def print_gpu_idle(prof, gaps: int = 15) -> None:
+    """GPU busy time against the profiled span, and the longest gaps between kernels (with their neighbours).
+
+    The tables sum kernel times; a graphed or host-bound step also has time where no kernel runs.
+    """
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    busy, end, previous, idle = 0.0, kernels[0][0], kernels[0][2], []
+    for start, stop, name in kernels:
+        if start > end:
+            idle.append((start - end, previous, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, previous = stop, name
+    span = end - kernels[0][0]
+    print(f"GPU: {len(kernels)} kernels, busy {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span, "
+          f"idle {(span - busy) / 1e3:.1f} ms in {len(idle)} gaps")
+    for gap, before, after in sorted(idle, reverse=True)[:gaps]:
+        print(f"  {gap:8.1f} us  after {before[:70]}  before {after[:70]}")
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 A launch-bound model (DeepSeek-V4: hyper-connection mixers, compressors, indexer, router, hundreds
 of small kernels per layer) keeps the GPU waiting while the host launches kernels one by one.
-`LayerGraphs` records each layer's forward and backward kernels once
-(`torch.cuda.make_graphed_callables`) and replays each with a single launch.
+`LayerGraphs` records the whole stack's forward kernels as one graph and its backward kernels as
+another (`torch.cuda.make_graphed_callables`), and replays each with a single launch: one copy of
+the stack's input and of its output gradient into the graphs' buffers per step, not one per layer.
 
 What a graph needs, and how it is kept here:
 - One input shape: the graphs are captured for the sample inputs; `matches(...)` says whether
@@ -13,9 +14,14 @@ What a graph needs, and how it is kept here:
 - One forward in flight: the graphs keep one forward's activations in one memory pool, which the
   next replay overwrites. A graphed forward while the previous one still awaits its backward
   raises instead of corrupting that backward.
-- Accumulating gradients: the graphed backward hands out its static gradient buffers, which a
-  parameter whose `.grad` is None would adopt as its `.grad`, and the next backward's replay would
-  then overwrite before adding to it. A hook on each parameter hands over a copy in that case.
+- Parameter gradients: the graphed backward writes them into its static buffers. A parameter whose
+  `.grad` is None adopts its buffer as `.grad`, with no copy, so zero_grad(set_to_none=True) before
+  each step costs nothing (autograd still copies a buffer whose strides differ from the parameter's).
+  The next replay overwrites the buffers: the backward with new gradients, and already the forward,
+  whose intermediates share the graphs' memory pool with them. So before each forward replay, a
+  `.grad` that is still one of them is replaced by a copy, and gradients accumulate over
+  micro-batches as in eager mode. An old `.grad` kept elsewhere (not as the parameter's `.grad`) is
+  overwritten.
 """
 
 from __future__ import annotations
@@ -27,19 +33,21 @@ import torch
 from torch import nn
 
 
-class _LayerCall(nn.Module):
-    """One layer as make_graphed_callables' module (it replaces this wrapper's forward, not the layer's)."""
+class _StackCall(nn.Module):
+    """The layers called in turn, as make_graphed_callables' module: `hidden = layer(hidden, *extras)`."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
-        self.layer = layer
+        self.layers = nn.ModuleList(layers)
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.layer(*inputs)
+    def forward(self, hidden: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, *extras)
+        return hidden
 
 
 class _InFlight:
-    """Alive while a graphed forward's autograd graph is; `done` once its backward has run."""
+    """Alive while a graphed forward's autograd graph is; `done` once its backward has started."""
 
     done = False
 
@@ -56,21 +64,10 @@ class _MarkBackward(torch.autograd.Function):
         return grad, None
 
 
-def _copy_if_adopted(param: nn.Parameter):
-    param_ref = weakref.ref(param)
-
-    def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
-        # `.grad` None: autograd would keep `grad` itself, a graph's static buffer (None: a parameter
-        # the layer did not differentiate, the indexer's)
-        return grad.clone() if grad is not None and param_ref().grad is None else grad
-    return hook
-
-
 class LayerGraphs:
     """Graphed forward and backward of `layers`, each called as `hidden = layer(hidden, *extras)`.
 
-    `sample_hidden` and `sample_extras` give the shapes; every layer gets its own static copies (a
-    layer's saved activations may be its input itself). Capture runs each layer forward and backward
+    `sample_hidden` and `sample_extras` give the shapes. Capture runs the stack forward and backward
     three times first (torch.compile'd code compiles there) on a side stream.
     """
 
@@ -81,16 +78,35 @@ class LayerGraphs:
         self.signature = self._signature(sample_hidden, *sample_extras)
         self.training = layers[0].training
         self.layers = list(layers)
-        calls = tuple(_LayerCall(layer) for layer in layers)
-        sample_args = tuple(
-            (sample_hidden.detach().clone().requires_grad_(sample_hidden.requires_grad),
-             *(extra.detach().clone() for extra in sample_extras))
-            for _ in calls)
+        stack = _StackCall(layers)
+        sample_args = (sample_hidden.detach().clone().requires_grad_(sample_hidden.requires_grad),
+                       *(extra.detach().clone() for extra in sample_extras))
         # the indexer's weights get no gradient (it picks indices under no_grad): unused inputs allowed
-        self.calls = torch.cuda.make_graphed_callables(calls, sample_args, allow_unused_input=True)
-        self.hooks = [param.register_hook(_copy_if_adopted(param))
-                      for call in calls for param in call.parameters() if param.requires_grad]
+        self.call = torch.cuda.make_graphed_callables(stack, sample_args, allow_unused_input=True)
+        self.params = [param for param in stack.parameters() if param.requires_grad]
+        # data_ptr of the buffer each parameter adopted as its .grad in the last backward
+        self.adopted: dict[int, int] = {}
+        self.hooks = [param.register_hook(self._hand_over(index, param)) for index, param in enumerate(self.params)]
         self.in_flight: weakref.ref[_InFlight] | None = None
+
+    def _hand_over(self, index: int, param: nn.Parameter):
+        # no reference to self: a hook left on the parameter must not keep the graphs' memory alive
+        param_ref, adopted = weakref.ref(param), self.adopted
+
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+            # None: a parameter the layers did not differentiate (the indexer's)
+            if grad is not None and param_ref().grad is None:
+                adopted[index] = grad.data_ptr()
+            return grad
+        return hook
+
+    def _copy_adopted_grads(self) -> None:
+        """Before a replay: a .grad that is still a graph buffer becomes a copy (the replay overwrites it)."""
+        for index, pointer in self.adopted.items():
+            grad = self.params[index].grad
+            if grad is not None and grad.data_ptr() == pointer:
+                self.params[index].grad = grad.clone()
+        self.adopted.clear()
 
     @staticmethod
     def _signature(*tensors: torch.Tensor) -> tuple:
@@ -106,13 +122,12 @@ class LayerGraphs:
             raise RuntimeError("CUDA graphs: a forward ran before the previous graphed forward's backward. The "
                                "graphs hold one forward's activations at a time: run the backward first, or free "
                                "the previous forward's outputs")
-        for index, call in enumerate(self.calls):
-            hidden = call(hidden, *extras)
-            if index == 0 and hidden.requires_grad:
-                # the first layer's output is the last one the backward reaches before that layer's own graph
-                in_flight = _InFlight()
-                hidden = _MarkBackward.apply(hidden, in_flight)
-                self.in_flight = weakref.ref(in_flight)
+        self._copy_adopted_grads()
+        hidden = self.call(hidden, *extras)
+        if hidden.requires_grad:
+            in_flight = _InFlight()
+            hidden = _MarkBackward.apply(hidden, in_flight)
+            self.in_flight = weakref.ref(in_flight)
         return hidden
 
     def release(self) -> None:

@@ -91,3 +91,28 @@ def test_a_forward_before_the_previous_backward_is_refused(tmp_path):
         del pending  # its autograd graph is gone: nothing waits for a backward any more
         with torch.no_grad():
             provider.token_logprobs(model, ids)
+
+
+def test_graphed_backward_hands_over_its_buffers_without_copies(tmp_path):
+    """A `.grad` that was None becomes the backward graph's own buffer (no copy), which the next replay refills.
+
+    Autograd itself copies a buffer whose strides differ from its parameter's (its layout contract), so
+    the parameters checked are those whose `.grad` is a graph buffer after the first step: after the
+    second, each must hold the same buffer (a copy per step would be new memory: the old one is kept alive).
+    """
+    ids = random_tokens(2, 128).cuda()
+    with runtime.parallel():
+        provider, model = _model(tmp_path)
+        model.capture_cuda_graphs(ids)
+        graphs = model.layer_graphs
+        _step(provider, model, ids)
+        handed_over = [graphs.params[index] for index, pointer in graphs.adopted.items()
+                       if graphs.params[index].grad.data_ptr() == pointer]
+        assert handed_over, "no parameter's .grad is a graph buffer"
+        first = [param.grad for param in handed_over]  # kept alive across the next step
+        first_values = [grad.clone() for grad in first]
+        _step(provider, model, torch.roll(ids, 1, dims=1))
+        for param, grad in zip(handed_over, first, strict=True):
+            assert param.grad.data_ptr() == grad.data_ptr()
+        # the second step's gradients (other tokens) went into the same buffers
+        assert any(not torch.equal(grad, values) for grad, values in zip(first, first_values, strict=True))

@@ -80,10 +80,11 @@ class DeepseekV4Model(MegatronModule):
         self.layer_graphs: LayerGraphs | None = None
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
-        """Capture every decoder layer's forward and backward as CUDA graphs for inputs of this shape.
+        """Capture the decoder layers' forward and backward as two CUDA graphs for inputs of this shape.
 
         Later forwards with inputs of the same shape (and training mode) replay them: one launch per
-        layer and pass instead of hundreds. Other shapes, and forwards that record or replay decisions,
+        pass instead of thousands. A parameter's `.grad` made by a graphed backward is the graph's
+        buffer (see `modelzoo.cuda_graphs`). Other shapes, and forwards that record or replay decisions,
         run eagerly. Each forward with gradients must have its backward before the next forward (see
         `modelzoo.cuda_graphs`). Needs bf16 on a GPU and no host synchronisation inside a layer, so
         expert-parallel size 1 (the expert-parallel dispatcher sizes its groups on the host). Measured
