@@ -70,26 +70,3 @@ def test_compiled_normed_rotary_queries_match_eager_forward_and_backward():
             out.backward(upstream)
             results.append([out.detach(), leaf.grad])
         _assert_close(*results)
-
-
-def test_compiled_hyper_connection_backward_matches_the_cpu():
-    """`HyperConnection.after_residual` on the GPU (compiled `hc_residual`, `hc_mix`, `hc_backward`) against
-    the same module on the CPU (the eager functions; their backward is checked against autograd of the plain
-    composition in tests/deepseek_v4/test_hyper_mix.py), fp32, at every shape of SHAPES in one process."""
-    from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection
-
-    for batch, seq, hidden in SHAPES:
-        streams, fn, base, scale, block_output = (t.detach().cpu() for t in _inputs(2, batch, seq, hidden))
-        generator = torch.Generator().manual_seed(3)
-        post, comb = torch.rand(batch, seq, 4, generator=generator), torch.rand(batch, seq, 4, 4, generator=generator)
-        results = []
-        for device in ("cuda", "cpu"):
-            module = HyperConnection(hidden, 4, 20, 1e-6, 1e-6).to(device)
-            with torch.no_grad():
-                module.fn.copy_(fn), module.base.copy_(base), module.scale.copy_(scale)
-            leaves = [t.to(device).requires_grad_() for t in (post, comb, block_output, streams)]
-            outputs = module.after_residual(*leaves)
-            loss = sum(t.square().mean() for t in outputs)
-            grads = torch.autograd.grad(loss, [*leaves, module.fn, module.base, module.scale])
-            results.append([t.detach().cpu() for t in (*outputs, *grads)])
-        _assert_close(*results)

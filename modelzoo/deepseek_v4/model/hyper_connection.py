@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelzoo.deepseek_v4.model.layers import fp32_param, inverse_rms, linear_fp32, linear_fp32_weight_grad
+from modelzoo.deepseek_v4.model.layers import fp32_param, inverse_rms, linear_fp32
 from modelzoo.fused import fused
 
 
@@ -36,51 +36,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, S, N, hidden] -> (post [B, S, N], comb [B, S, N, N], collapsed [B, S, hidden])."""
-        return _HyperMix.apply(streams, self.fn, self.base, self.scale, self.settings())
-
-    def after_residual(self, post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor,
-                       streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The previous block's residual `hc_residual(post, comb, block_output, streams)`, then this
-        block's mix of its result: (new streams, post, comb, collapsed)."""
-        post, comb, collapsed, new_streams = _HyperMix.apply(streams, self.fn, self.base, self.scale, self.settings(),
-                                                             post, comb, block_output)
-        return new_streams, post, comb, collapsed
-
-    def settings(self) -> tuple[int, int, float, float]:
-        return self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps
-
-
-class _HyperMix(torch.autograd.Function):
-    """[the previous block's residual ->] this block's map and mix, with one backward for the streams.
-
-    Autograd would sum the streams' gradient from three consumers (the map's GEMM, the mixer, the next
-    residual), each sum a pass over [B, S, N, hidden]. Here the map's input gradient, the mixer's and
-    (after a residual) the gradient arriving for the new streams are summed in the compiled backward
-    that also runs the residual's (`hc_backward`); only the map's weight gradient is a GEMM of its own.
-    """
-
-    @staticmethod
-    def forward(ctx, streams, fn, base, scale, settings, *previous_block):
-        """previous_block: () or (post, comb, block_output) of the previous block, whose residual comes first."""
-        ctx.settings, ctx.after_residual = settings, bool(previous_block)
-        residual_inputs = (*previous_block, streams) if previous_block else ()
-        if previous_block:
-            streams = hc_residual(*residual_inputs)
-        projected = linear_fp32(streams.flatten(2), fn)
-        post, comb, collapsed = hc_mix(streams, projected, base, scale, *settings)
-        ctx.save_for_backward(streams, projected, fn, base, scale, *residual_inputs)
-        return (post, comb, collapsed, streams) if previous_block else (post, comb, collapsed)
-
-    @staticmethod
-    def backward(ctx, post_grad, comb_grad, collapsed_grad, streams_grad=None):
-        streams, projected, fn, base, scale, *residual_inputs = ctx.saved_tensors
-        projected_grad, base_grad, scale_grad, *input_grads = hc_backward(
-            streams, projected, base, scale, fn, post_grad, comb_grad, collapsed_grad, streams_grad,
-            tuple(residual_inputs), *ctx.settings)
-        fn_grad = linear_fp32_weight_grad(projected_grad, streams.flatten(2), fn)
-        # input_grads: the streams' (no residual), or those of (post, comb, block_output, streams) of the residual
-        *previous_block_grads, streams_grad = input_grads
-        return streams_grad, fn_grad, base_grad, scale_grad, None, *previous_block_grads
+        return hc_mix(streams, linear_fp32(streams.flatten(2), self.fn), self.base, self.scale, self.hc_mult,
+                      self.sinkhorn_iters, self.hc_eps, self.norm_eps)
 
 
 def mixes(streams: torch.Tensor, projected: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -107,31 +64,6 @@ def hc_mix(streams: torch.Tensor, projected: torch.Tensor, base: torch.Tensor, s
 
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
     return post, comb, collapsed
-
-
-@fused
-def hc_backward(streams: torch.Tensor, projected: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                fn: torch.Tensor, post_grad: torch.Tensor, comb_grad: torch.Tensor, collapsed_grad: torch.Tensor,
-                streams_grad: torch.Tensor | None, residual_inputs: tuple[torch.Tensor, ...], hc: int,
-                sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, ...]:
-    """`_HyperMix`'s gradients: of projected, base, scale, then of the streams, or (after a residual)
-    of the residual's inputs (post, comb, block_output, streams). `streams_grad`: the new streams'."""
-    def mix(streams, projected, base, scale):
-        return hc_mix.eager(streams, projected, base, scale, hc, sinkhorn_iters, hc_eps, norm_eps)
-
-    _, mix_vjp = torch.func.vjp(mix, streams, projected, base, scale)
-    mixer_grad, projected_grad, base_grad, scale_grad = mix_vjp((post_grad, comb_grad, collapsed_grad))
-    # the map's input gradient projected_grad @ fn, written as a sum over fn's few rows: pointwise, so it
-    # fuses with the other terms instead of being a GEMM output of its own
-    rows = fn.view(fn.shape[0], *streams.shape[-2:])
-    total = mixer_grad.float() + sum(projected_grad[..., j, None, None] * rows[j] for j in range(fn.shape[0]))
-    if streams_grad is not None:
-        total = total + streams_grad.float()
-    total = total.to(streams.dtype)
-    if not residual_inputs:
-        return projected_grad, base_grad, scale_grad, total
-    _, residual_vjp = torch.func.vjp(hc_residual.eager, *residual_inputs)
-    return projected_grad, base_grad, scale_grad, *residual_vjp(total)
 
 
 @fused

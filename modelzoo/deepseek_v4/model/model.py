@@ -46,7 +46,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         """streams [B, S, hc_mult, hidden] -> same shape."""
         post, comb, collapsed = self.attn_hc(streams)
         attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids)
-        streams, post, comb, collapsed = self.ffn_hc.after_residual(post, comb, attn_output, streams)
+        streams = hc_residual(post, comb, attn_output, streams)
+        post, comb, collapsed = self.ffn_hc(streams)
         mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids)
         return hc_residual(post, comb, mlp_output, streams)
 
