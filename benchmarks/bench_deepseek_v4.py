@@ -104,7 +104,7 @@ def our_step(folder: Path, ids: torch.Tensor, path: str):
     return model, capturing_first
 
 
-def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
+def profile_our_model(folder: Path, ids: torch.Tensor, path: str, steps: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from modelzoo import runtime
@@ -116,9 +116,11 @@ def profile_our_model(folder: Path, ids: torch.Tensor, path: str) -> None:
         torch.cuda.synchronize()
         # verbose=True: without it torch 2.11's profiler records no Python frames for group_by_stack_n
         stacks = torch._C._profiler._ExperimentalConfig(verbose=True)
+        # several steps back to back, as in training: the host prepares a step while the GPU runs the last
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
                      experimental_config=stacks, record_shapes=True) as prof:
-            step()
+            for _ in range(steps):
+                step()
             torch.cuda.synchronize()
     print_gpu_idle(prof)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
@@ -164,7 +166,9 @@ def main() -> None:
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
                              "the decoder layers as CUDA graphs")
     parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, profile one step of our model on the first of --paths and print the top ops")
+                        help="instead of timing, profile --profile-steps steps of our model on the first of --paths and "
+                             "print the top ops")
+    parser.add_argument("--profile-steps", type=int, default=1)
     args = parser.parse_args()
 
     from transformers import DeepseekV4ForCausalLM
@@ -177,7 +181,7 @@ def main() -> None:
     write_deepseek_v4_tiny(folder, config)
     ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
     if args.profile:
-        profile_our_model(folder, ids, args.paths.split(",")[0])
+        profile_our_model(folder, ids, args.paths.split(",")[0], args.profile_steps)
         return
     peak = matmul_peak_tflops()
     flops = step_flops(config, args.seq)
