@@ -9,7 +9,7 @@ whole checkpoint by the end of a streamed conversion).
 The writer fills shards up to a size bound, writes them into a temporary folder beside the target
 and renames it into place only when everything succeeded, so a failure leaves nothing behind. It
 copies a tensor whose bytes are still a file's (one of those maps, or part of one, that nothing wrote
-to: `file_region`) from that file in the kernel (`append_region`, which the torch_dist writer uses too)
+to: `file_region`) from that file in the kernel (`RegionCopier`, which the torch_dist writer uses too)
 rather than from the map.
 """
 
@@ -171,27 +171,40 @@ def file_region(tensor: torch.Tensor) -> FileRegion | None:
 _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 
 
-def append_region(file: io.BufferedWriter, region: FileRegion, size: int, what: str) -> bool:
-    """Append `size` bytes of a file from `region` to `file` (at its position), copied in the kernel
-    (`os.copy_file_range`): writing them from a map of them would first fault each of its pages into
-    this process (slow on a VM). False, with `file`'s position unchanged, when these files cannot be
-    copied between; the caller writes the bytes instead, over any copied. `what` names them in errors."""
-    file.flush()
-    position = file.tell()
-    copied = 0
-    while copied < size:
-        try:
-            step = os.copy_file_range(region.fd, file.fileno(), size - copied, region.offset + copied, position + copied)
-        except OSError as error:
-            if error.errno not in _CANNOT_COPY:
-                raise
-            return False
-        if step == 0:
-            raise CheckpointError(f"{what}: {region.file} ends before byte {region.offset + size}, "
-                                  f"the end of its {size} bytes from byte {region.offset}")
-        copied += step
-    file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
-    return True
+class RegionCopier:
+    """Appends a tensor's bytes to a file by copying them, in the kernel (`os.copy_file_range`), from the
+    file they still are a region of (`file_region`): writing them from a map of them would first fault
+    each of its pages into this process (slow on a VM). From the first time the files cannot be copied
+    between (`copies` False), it finds no more regions: the caller writes every tensor itself."""
+
+    def __init__(self):
+        self.copies = hasattr(os, "copy_file_range")
+
+    def region(self, tensor: torch.Tensor) -> FileRegion | None:
+        return file_region(tensor) if self.copies else None
+
+    def append(self, file: io.BufferedWriter, region: FileRegion, size: int, what: str) -> bool:
+        """Append `size` bytes from `region` to `file` (at its position). False, with `file`'s position
+        unchanged, when these files cannot be copied between; the caller writes the bytes instead, over
+        any copied. `what` names them in errors."""
+        file.flush()
+        position = file.tell()
+        copied = 0
+        while copied < size:
+            try:
+                step = os.copy_file_range(region.fd, file.fileno(), size - copied, region.offset + copied,
+                                          position + copied)
+            except OSError as error:
+                if error.errno not in _CANNOT_COPY:
+                    raise
+                self.copies = False
+                return False
+            if step == 0:
+                raise CheckpointError(f"{what}: {region.file} ends before byte {region.offset + size}, "
+                                      f"the end of its {size} bytes from byte {region.offset}")
+            copied += step
+        file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
+        return True
 
 
 class CheckpointError(ValueError):
@@ -325,7 +338,7 @@ class ShardedWriter:
         self._shard_bytes = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
-        self._copies_files = hasattr(os, "copy_file_range")
+        self._copier = RegionCopier()
 
     def __enter__(self) -> ShardedWriter:
         self._stage = staged_folder(self.folder)
@@ -349,17 +362,11 @@ class ShardedWriter:
         self._header[name] = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape),
                               "data_offsets": [self._shard_bytes, self._shard_bytes + size]}
         self._header_length += entry_length
-        region = file_region(data) if self._copies_files else None
-        if region is None or not self._copy(name, region, size):
+        region = self._copier.region(data)
+        if region is None or not self._copier.append(self._file, region, size, f"tensor {name}"):
             self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self._shard_bytes += size
         self.total_bytes += size
-
-    def _copy(self, name: str, region: FileRegion, size: int) -> bool:
-        """Append a tensor's bytes, which are `region` of a file, copied from that file (`append_region`);
-        False, with nothing appended, when these files cannot be copied between (then no later tensor tries)."""
-        self._copies_files = append_region(self._file, region, size, f"tensor {name}")
-        return self._copies_files
 
     def copy_file(self, source: Path) -> None:
         shutil.copy2(source, self.staging / source.name)

@@ -53,14 +53,13 @@ import contextlib
 import dataclasses
 import io
 import math
-import os
 from collections.abc import Callable, Iterator
 
 import numpy
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import append_region, file_bytes, file_region
+from conversion.safetensors_io import RegionCopier, file_bytes
 from conversion.transforms import RowBlocks
 
 
@@ -154,19 +153,19 @@ def without_crc32() -> Iterator[None]:
 class CopyingStream:
     """A `.distcp` file as `torch.save` writes to it, where the bytes of the tensor being saved (`saving`)
     are copied from the file they still are a region of (`file_region`: most tensors of an import at TP 1,
-    maps of the source safetensors files), in the kernel (`append_region`), rather than written from
+    maps of the source safetensors files), in the kernel (`RegionCopier`), rather than written from
     their map, which would fault every page of it in. torch's zip writer calls `write` with a memoryview
     of the storage itself, all of its bytes at once, and with CRC-32 off (`without_crc32`) reads none of
     them; `_write_item` also calls `tell` and `flush`. The file's bytes are the same either way."""
 
     def __init__(self, file: io.BufferedWriter):
         self.file = file
-        self.copies_files = hasattr(os, "copy_file_range")  # False from the first time the files cannot be copied between
+        self.copier = RegionCopier()
         self.source = None  # (first byte's address, bytes, FileRegion, what) of the tensor being saved
 
     @contextlib.contextmanager
     def saving(self, name: str, tensor: torch.Tensor) -> Iterator[None]:
-        region = file_region(tensor) if self.copies_files else None
+        region = self.copier.region(tensor)
         self.source = None if region is None else (tensor.data_ptr(), tensor.nbytes, region, f"tensor {name}")
         try:
             yield
@@ -174,12 +173,11 @@ class CopyingStream:
             self.source = None
 
     def write(self, data) -> int:
-        if self.source is not None and self.copies_files:
+        if self.source is not None and self.copier.copies:
             address, size, region, what = self.source
             view = memoryview(data)
             if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
-                self.copies_files = append_region(self.file, region, size, what)
-                if self.copies_files:
+                if self.copier.append(self.file, region, size, what):
                     return size
         return self.file.write(data)
 
