@@ -206,9 +206,7 @@ def main() -> None:
 
     hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
     record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
-    hf.zero_grad(set_to_none=True)
     del hf
-    torch.cuda.empty_cache()
     with runtime.parallel(tp=1):
         for path in args.paths.split(","):
             model, step = our_step(folder, ids, path)
