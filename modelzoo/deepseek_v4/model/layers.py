@@ -129,12 +129,19 @@ class _Bf16PartsLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        rows = x.reshape(-1, x.shape[-1])
         grad_parts = _bf16_parts(grad.reshape(-1, weight.shape[0]).float())
         x_grad = torch.mm(*_bf16_parts_product(grad_parts, _bf16_parts(weight)))           # bf16 out, like x
-        per_part = matmul_fp32(torch.cat(grad_parts, dim=1).t()[None], rows[None])[0]      # [parts * n, K]
-        weight_grad = sum(per_part.chunk(len(grad_parts), dim=0))
-        return x_grad.view_as(x), weight_grad.to(weight.dtype)
+        return x_grad.view_as(x), linear_fp32_weight_grad(grad, x, weight)
+
+
+def linear_fp32_weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight's gradient of `linear_fp32(x, weight)` for its output gradient `grad`, in weight's dtype."""
+    rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, weight.shape[0]).float()
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        return (grad.t() @ rows.float()).to(weight.dtype)
+    grad_parts = _bf16_parts(grad)
+    per_part = matmul_fp32(torch.cat(grad_parts, dim=1).t()[None], rows[None])[0]          # [parts * n, K]
+    return sum(per_part.chunk(len(grad_parts), dim=0)).to(weight.dtype)
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -44,10 +44,10 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """streams [B, S, hc_mult, hidden] -> same shape."""
-        post, comb, collapsed = self.attn_hc(streams)
+        post, comb, collapsed, streams = self.attn_hc(streams)
         attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids)
         streams = hc_residual(post, comb, attn_output, streams)
-        post, comb, collapsed = self.ffn_hc(streams)
+        post, comb, collapsed, streams = self.ffn_hc(streams)
         mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids)
         return hc_residual(post, comb, mlp_output, streams)
 
