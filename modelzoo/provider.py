@@ -29,6 +29,7 @@ from conversion.mapping import MappingTable
 from conversion.safetensors_io import CheckpointReader, ShardedWriter
 from modelzoo import runtime
 from modelzoo.attention import IMPLEMENTATIONS
+from modelzoo.logprobs import next_token_logprobs
 
 # files carried from an HF checkpoint folder to an exported one besides config.json and the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -237,15 +238,7 @@ class ModelProvider:
 
     def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """log p(t[i+1] | t[:i+1]) for each position, [batch, seq - 1], fp32, on every TP rank."""
-        from megatron.core import tensor_parallel
-
-        logits = self.forward(model, input_ids)[:, :-1].float()
-        logits = _mask_vocab_padding(logits, self.vocab_size)
-        targets = input_ids[:, 1:]
-        # [seq, batch] layout is what Megatron's vocab-parallel cross entropy expects
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                                            targets.transpose(0, 1).contiguous())
-        return -loss.transpose(0, 1)
+        return next_token_logprobs(self.forward(model, input_ids), input_ids, self.vocab_size)
 
     @torch.no_grad()
     def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -257,17 +250,6 @@ class ModelProvider:
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
         return torch.cat(shards, dim=-1)[..., : self.vocab_size]
-
-
-def _mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    local = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * local
-    if start + local <= vocab_size:
-        return logits
-    padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
-    return logits.masked_fill(padding, float("-inf"))
 
 
 def _parallel_sizes() -> dict[str, int]:

@@ -14,12 +14,12 @@ are left out of the loss.
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
 from torch import nn
 
 from modelzoo.deepseek_v4.config import DeepseekV4Args
 from modelzoo.deepseek_v4.model.hyper_connection import HyperHead
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
+from modelzoo.logprobs import next_token_logprobs
 
 
 def shift_left(input_ids: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
@@ -65,18 +65,7 @@ class DeepseekV4MTP(nn.Module):
 
 def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, shift: int, vocab_size: int) -> torch.Tensor:
     """Per-token CE [B, S - shift] of vocab-parallel `logits[:, i]` against `input_ids[:, i + shift]`."""
-    from megatron.core import parallel_state
-
-    valid = input_ids.shape[1] - shift
-    shard = logits[:, :valid].float()
-    local = shard.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * local
-    if start + local > vocab_size:  # Megatron's padded vocabulary rows never get probability
-        shard = shard.masked_fill(torch.arange(start, start + local, device=shard.device) >= vocab_size, float("-inf"))
-    targets = input_ids[:, shift:]
-    ce = tensor_parallel.vocab_parallel_cross_entropy(shard.transpose(0, 1).contiguous(),
-                                                      targets.transpose(0, 1).contiguous())
-    return ce.transpose(0, 1)
+    return -next_token_logprobs(logits, input_ids, vocab_size, shift)
 
 
 def mtp_loss(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
