@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,16 @@ def write_llama_variant(folder: Path, make_tiny, **changes) -> Path:
     config = {**make_tiny.LLAMA_TINY, **changes}
     make_tiny.write_checkpoint(folder, config, make_tiny.llama_shapes(config))
     return folder
+
+
+@pytest.fixture
+def run_in_triton_interpreter():
+    """`run(test_file)`: the file's `__main__` in a subprocess under Triton's CPU interpreter (TRITON_INTERPRET=1,
+    which must be set before triton is imported); fails the test with its output if it fails."""
+    pytest.importorskip("triton")
+
+    def run(test_file: str) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run

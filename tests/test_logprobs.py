@@ -7,10 +7,6 @@ Triton's CPU interpreter (a subprocess with TRITON_INTERPRET=1, set before trito
 (`pytest -m gpu tests/test_logprobs.py`).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -113,13 +109,10 @@ def check_kernels(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
                                        atol=1e-7, msg=f"gradient ({dtype}, {valid})")
 
 
-def test_kernels_match_the_plain_ops_in_triton_interpreter():
+def test_kernels_match_the_plain_ops_in_triton_interpreter(run_in_triton_interpreter):
     """CPU tensors through Triton's interpreter: the kernels' indexing and maths, without a GPU. fp32 only:
     the interpreter truncates fp32 to bf16 instead of rounding (triton 3.8), so bf16 is checked on the GPU."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_in_triton_interpreter(__file__)
 
 
 @pytest.mark.gpu

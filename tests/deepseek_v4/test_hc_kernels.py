@@ -7,9 +7,6 @@ TRITON_INTERPRET=1, which must be set before triton is imported); on a GPU, comp
 `pytest -m gpu tests/deepseek_v4/test_hc_kernels.py`.
 """
 
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -82,13 +79,11 @@ def check(device: str, bf16: bool) -> None:
             assert kernel_errors[name] <= plain_errors[name] + BF16_ROUNDING, (shape, name, kernel_errors, plain_errors)
 
 
-def test_kernels_match_the_plain_ops_in_triton_interpreter():
+def test_kernels_match_the_plain_ops_in_triton_interpreter(run_in_triton_interpreter):
     """CPU tensors through Triton's interpreter: the kernels' indexing and maths, without a GPU. fp32 only:
     the interpreter truncates fp32 to bf16 (502 of 1000 random values differ from round-to-nearest, triton
     3.8), so bf16 is checked on the GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_in_triton_interpreter(__file__)
 
 
 @pytest.mark.gpu
