@@ -44,9 +44,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, group):
-        rows, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        # targets as columns of this shard (outside it: another rank's)
+        rows, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1) - vocab_start
         valid_columns = max(0, min(rows.shape[1], vocab_size - vocab_start))  # the rest of the shard is padding
-        largest, sum_exp, target_logit = _implementation(rows).statistics(rows, targets - vocab_start, valid_columns)
+        largest, sum_exp, target_logit = _implementation(rows).statistics(rows, targets, valid_columns)
         if group is not None:
             global_largest = largest.clone()
             dist.all_reduce(global_largest, dist.ReduceOp.MAX, group=group)
@@ -55,14 +56,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             largest, (sum_exp, target_logit) = global_largest, sums
         log_normaliser = largest + torch.log(sum_exp)
         ctx.save_for_backward(rows, targets, log_normaliser)
-        ctx.vocab_start, ctx.valid_columns, ctx.shape = vocab_start, valid_columns, logits.shape
+        ctx.valid_columns, ctx.shape = valid_columns, logits.shape
         return (target_logit - log_normaliser).view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad):
         rows, targets, log_normaliser = ctx.saved_tensors
-        grad_rows = _implementation(rows).gradient(grad.reshape(-1).float().contiguous(), rows,
-                                                   targets - ctx.vocab_start, log_normaliser, ctx.valid_columns)
+        grad_rows = _implementation(rows).gradient(grad.reshape(-1).float().contiguous(), rows, targets,
+                                                   log_normaliser, ctx.valid_columns)
         return grad_rows.view(ctx.shape), None, None, None, None
 
 
