@@ -131,15 +131,20 @@ class _Bf16PartsLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_parts = _bf16_parts(grad.reshape(-1, weight.shape[0]).float())
         x_grad = torch.mm(*_bf16_parts_product(grad_parts, _bf16_parts(weight)))           # bf16 out, like x
-        return x_grad.view_as(x), linear_fp32_weight_grad(grad, x, weight)
+        return x_grad.view_as(x), _weight_grad_of_parts(grad_parts, x, weight)
 
 
 def linear_fp32_weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The weight's gradient of `linear_fp32(x, weight)` for its output gradient `grad`, in weight's dtype."""
-    rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, weight.shape[0]).float()
+    grad = grad.reshape(-1, weight.shape[0]).float()
     if not (x.is_cuda and x.dtype == torch.bfloat16):
-        return (grad.t() @ rows.float()).to(weight.dtype)
-    grad_parts = _bf16_parts(grad)
+        return (grad.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+    return _weight_grad_of_parts(_bf16_parts(grad), x, weight)
+
+
+def _weight_grad_of_parts(grad_parts: list[torch.Tensor], x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_i grad_part_i^T @ x as one bf16 GEMM with fp32 output, in weight's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
     per_part = matmul_fp32(torch.cat(grad_parts, dim=1).t()[None], rows[None])[0]          # [parts * n, K]
     return sum(per_part.chunk(len(grad_parts), dim=0)).to(weight.dtype)
 
