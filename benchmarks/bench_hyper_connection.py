@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from modelzoo.deepseek_v4.model.hyper_connection import (HyperConnection, hc_residual, map_mixes, mixing_weights,
-                                                         plain_residual, plain_sinkhorn)
+                                                         plain_collapse, plain_residual, plain_sinkhorn)
 from modelzoo.deepseek_v4.model.layers import linear_fp32
 from modelzoo.fused import fused
 
@@ -28,7 +28,7 @@ from modelzoo.fused import fused
 def _compiled_mix(streams, projected, base, scale, hc: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     pre, post, comb_logits = mixing_weights.eager(map_mixes(streams, projected, norm_eps), base, scale, hc, hc_eps)
     comb = plain_sinkhorn(comb_logits, sinkhorn_iters, hc_eps)
-    return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return post, comb, plain_collapse(pre, streams)
 
 
 _compiled_residual = fused(plain_residual)

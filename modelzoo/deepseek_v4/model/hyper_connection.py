@@ -50,7 +50,7 @@ class HyperConnection(nn.Module):
         if kernels is not None:
             collapsed, streams = kernels.Collapse.apply(streams, pre)
         else:
-            collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+            collapsed = plain_collapse(pre, streams)
         return post, comb, collapsed, streams
 
 
@@ -101,6 +101,11 @@ def plain_sinkhorn(logits: torch.Tensor, sinkhorn_iters: int, hc_eps: float) -> 
     return comb
 
 
+def plain_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_n pre[n] * streams[n] in fp32, in the streams' dtype: the block's input."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
 def hc_residual(post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor,
                 streams: torch.Tensor) -> torch.Tensor:
     """New streams: post[n] * block_output + sum_j comb[j, n] * streams[j] (comb used transposed)."""
@@ -138,4 +143,4 @@ class HyperHead(nn.Module):
 def hc_head_collapse(streams: torch.Tensor, projected: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                      hc_eps: float, norm_eps: float) -> torch.Tensor:
     pre = torch.sigmoid(map_mixes(streams, projected, norm_eps) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return plain_collapse(pre, streams)
