@@ -15,7 +15,7 @@ RMS statistic's terms and writes the streams' gradient once. All sums over the s
 once to the streams' dtype.
 
 Between map and collapse, the Sinkhorn iterations on the [tokens, N, N] mixers are one kernel each way
-too (`Sinkhorn`; compiled, their backward was ~80 launches of ~1 us per block); the sigmoids before
+too (`Sinkhorn`; compiled, they ran ~147 kernels of ~1 us per block); the sigmoids before
 them stay compiled (`mixing_weights`). On CPU none of this runs: `hyper_connection.py` composes the
 plain ops there, which the parity tests compare against transformers, and the GPU tests compare these
 kernels against (tests/deepseek_v4/test_hc_kernels.py).
@@ -330,7 +330,8 @@ def _sinkhorn_backward(grad, logits, iterates, grad_logits, tokens, iters, eps, 
 
 class Sinkhorn(torch.autograd.Function):
     """`plain_sinkhorn` (hyper_connection.py) of logits [.., N, N] fp32: one kernel each way instead of
-    a few per iteration (the compiled backward ran ~80 kernels of ~1 us per block)."""
+    a few per iteration (compiled, the iterations ran ~147 kernels of ~1 us per block, ~153 us: the profile
+    in docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
