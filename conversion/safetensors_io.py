@@ -206,6 +206,15 @@ class RegionCopier:
         file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
         return True
 
+    def write(self, file: io.BufferedWriter, blocks: list[torch.Tensor], what: str) -> None:
+        """Append the blocks' bytes to `file`, one after the other: each copied from the file it is a
+        region of where it is one (`append`), else written from memory. `what` names them in errors."""
+        for block in blocks:
+            block = block.contiguous()
+            region = self.region(block)
+            if region is None or not self.append(file, region, block.nbytes, what):
+                file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable or inconsistent."""
@@ -362,9 +371,7 @@ class ShardedWriter:
         self._header[name] = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape),
                               "data_offsets": [self._shard_bytes, self._shard_bytes + size]}
         self._header_length += entry_length
-        region = self._copier.region(data)
-        if region is None or not self._copier.append(self._file, region, size, f"tensor {name}"):
-            self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self._copier.write(self._file, [data], f"tensor {name}")
         self._shard_bytes += size
         self.total_bytes += size
 

@@ -27,7 +27,8 @@ This is the one place where `conversion` relies on private behaviour of Megatron
 | `filesystem._write_item`, `DEFAULT_SUFFIX`, `FileSystemWriter | torch's writer keeps every tensor of a file    |
 | .write_data` overridden                                     | until the file is closed; ours drops each one  |
 | `torch.save`'s zip writer calls `write` on the stream with  | `CopyingStream` recognises a tensor's bytes by |
-| a memoryview of the storage itself, all at once             | their address, to copy them from their file    |
+| a memoryview of the storage itself, all at once, and with   | their address, to copy them from their file,   |
+| CRC-32 off reads none of it                                 | or to write the blocks a stand-in's are        |
 | `Tensor.untyped_storage()._cdata`                           | which parameter a meta tensor is a view of:    |
 |                                                             | meta tensors have no data pointer, and the     |
 |                                                             | factories (SwiGLU's [gate; up] split) and the  |
@@ -98,6 +99,7 @@ class ParameterData:
         self.name_of = {storage_id(param): name for name, param in params.items()}
         self.make = make
         self.last: tuple[str, torch.Tensor] | None = None
+        self.stand_in: tuple[int, list[torch.Tensor]] | None = None  # (its address, the blocks it stands for)
         self.bar = tqdm(total=len(params), desc="write", unit="tensor", disable=not progress, leave=False)
 
     def __call__(self, meta_view: torch.Tensor) -> torch.Tensor:
@@ -119,10 +121,24 @@ class ParameterData:
             whole = rows.tensor().contiguous()
             self.last = (name, RowBlocks([whole]))
             return view_like(whole, meta_view)
-        return rows.narrow(0, *span).tensor()
+        picked = rows.narrow(0, *span)
+        if len(picked.blocks) == 1:
+            return picked.tensor()
+        # rows across blocks (a fused QKV): the writer appends the blocks themselves (`blocks_of`), so
+        # the concatenation is never made; this stand-in's memory is never written, read or touched
+        stand_in = torch.empty(picked.shape, dtype=picked.dtype)
+        self.stand_in = (stand_in.data_ptr(), picked.blocks)
+        return stand_in
+
+    def blocks_of(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """The row blocks whose bytes `tensor` stands in for, when it is the last stand-in made."""
+        if self.stand_in is None or self.stand_in[0] != tensor.data_ptr():
+            return None
+        blocks, self.stand_in = self.stand_in[1], None
+        return blocks
 
     def close(self) -> None:
-        self.last = None
+        self.last = self.stand_in = None
         self.bar.close()
 
 
@@ -152,33 +168,42 @@ def without_crc32() -> Iterator[None]:
 
 class CopyingStream:
     """A `.distcp` file as `torch.save` writes to it, where the bytes of the tensor being saved (`saving`)
-    are copied from the file they still are a region of (`file_region`: most tensors of an import at TP 1,
-    maps of the source safetensors files), in the kernel (`RegionCopier`), rather than written from
-    their map, which would fault every page of it in. torch's zip writer calls `write` with a memoryview
-    of the storage itself, all of its bytes at once, and with CRC-32 off (`without_crc32`) reads none of
-    them; `_write_item` also calls `tell` and `flush`. The file's bytes are the same either way."""
+    are appended by `RegionCopier.write`: copied from the file they still are a region of (`file_region`:
+    most tensors of an import at TP 1, maps of the source safetensors files) in the kernel, rather than
+    written from their map, which would fault every page of it in; a tensor that stands in for row
+    blocks (`ParameterData`: a fused QKV) as those blocks, each copied or written. torch's zip writer
+    calls `write` with a memoryview of the storage itself, all of its bytes at once, and with CRC-32 off
+    (`without_crc32`) reads none of them; `_write_item` also calls `tell` and `flush`. The file's bytes
+    are the same either way."""
 
     def __init__(self, file: io.BufferedWriter):
         self.file = file
         self.copier = RegionCopier()
-        self.source = None  # (first byte's address, bytes, FileRegion, what) of the tensor being saved
+        self.source = None  # (first byte's address, bytes, blocks, what) of the tensor being saved
+        self.appended = False  # whether the tensor being saved has been
 
     @contextlib.contextmanager
-    def saving(self, name: str, tensor: torch.Tensor) -> Iterator[None]:
-        region = self.copier.region(tensor)
-        self.source = None if region is None else (tensor.data_ptr(), tensor.nbytes, region, f"tensor {name}")
+    def saving(self, name: str, tensor: torch.Tensor, stands_for: list[torch.Tensor] | None = None) -> Iterator[None]:
+        """Meanwhile, `tensor`'s bytes, when torch.save writes them, are appended as `stands_for` (its
+        row blocks, `tensor`'s own memory being unwritten) or else as `tensor` itself."""
+        self.source = (tensor.data_ptr(), tensor.nbytes, stands_for or [tensor], f"tensor {name}")
+        self.appended = False
         try:
             yield
+            if stands_for is not None and not self.appended:
+                raise RuntimeError(f"tensor {name}: torch.save did not write its storage in one piece, so the "
+                                   "row blocks it stands for were not written in its place")
         finally:
             self.source = None
 
     def write(self, data) -> int:
-        if self.source is not None and self.copier.copies:
-            address, size, region, what = self.source
+        if self.source is not None and not self.appended:
+            address, size, blocks, what = self.source
             view = memoryview(data)
             if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
-                if self.copier.append(self.file, region, size, what):
-                    return size
+                self.copier.write(self.file, blocks, what)
+                self.appended = True
+                return size
         return self.file.write(data)
 
     def tell(self) -> int:
@@ -188,7 +213,7 @@ class CopyingStream:
         self.file.flush()
 
 
-def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None):
+def streaming_save_strategy(data: ParameterData | None):
     """A `dist_checkpointing.save` strategy whose writer takes one tensor at a time; `data(meta_view)`
     makes the real data of a meta tensor when it is written (None: every tensor is real)."""
     import torch.distributed.checkpoint as dcp
@@ -237,7 +262,8 @@ def streaming_save_strategy(data: Callable[[torch.Tensor], torch.Tensor] | None)
                         continue
                     tensor = resolved.detach()
                     # the tensor, not its own-storage copy, says where its bytes lie in a map (`file_region`)
-                    with stream.saving(item.index.fqn, tensor):
+                    stands_for = data.blocks_of(tensor) if data is not None else None
+                    with stream.saving(item.index.fqn, tensor, stands_for):
                         results.append(_write_item(self.transforms, stream, with_own_storage(tensor), item, file_name,
                                                    SerializationFormat.TORCH_SAVE))
                     del resolved, tensor

@@ -210,12 +210,15 @@ def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tm
 
 @pytest.mark.parametrize("error", [None, errno.EXDEV])
 def test_import_copies_the_tensors_it_saves_as_read_from_the_source_files(tmp_path, make_tiny, monkeypatch, error):
-    """At TP 1 the tensors of at least MAP_MIN_BYTES but the fused QKVs (concatenated) are saved as read:
-    maps of the source safetensors files, which the .distcp writer copies from them (os.copy_file_range)
-    inside torch.save's zip records. The files are those the plain writes make, byte for byte, and
-    nothing stays open; where the files cannot be copied between (EXDEV), they are written plainly."""
+    """At TP 1 the tensors of at least MAP_MIN_BYTES are saved as read: maps of the source safetensors
+    files, which the .distcp writer copies from them (os.copy_file_range) inside torch.save's zip
+    records; a fused QKV as its q, k and v row blocks, each copied, never concatenated. The files are
+    those the plain writes make, byte for byte, and nothing stays open; where the files cannot be copied
+    between (EXDEV), they are written plainly."""
     source = tmp_path / "hf"
-    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2}, max_shard_bytes=8 * MiB)
+    # q, k and v of at least MAP_MIN_BYTES each (maps), so the QKV's blocks are copied too
+    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 128,
+                                               "num_key_value_heads": 4}, max_shard_bytes=8 * MiB)
     copy, copied = os.copy_file_range, []
 
     def counting(*args):
@@ -249,9 +252,10 @@ def test_import_copies_the_tensors_it_saves_as_read_from_the_source_files(tmp_pa
         assert any(name.endswith(".distcp") for name in plain[0])
         streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "copied"))
     original = CheckpointReader(source)
-    as_read = [original.get(name) for name in original.names() if not name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
     if error is None:
-        assert sum(copied) == sum(tensor.nbytes for tensor in as_read if tensor.nbytes >= MAP_MIN_BYTES) > 0
+        assert all(original.get(name).nbytes >= MAP_MIN_BYTES for name in original.names() if name.endswith("k_proj.weight"))
+        assert sum(copied) == sum(tensor.nbytes for tensor in map(original.get, original.names())
+                                  if tensor.nbytes >= MAP_MIN_BYTES) > 0
     else:
         assert copied == [0]  # tried once, then every tensor written from memory
     megatron = {name: tensor.tensor() if isinstance(tensor, RowBlocks) else tensor for name, tensor in streamed.items()}
@@ -323,3 +327,24 @@ def _compare_streamed_with_megatron(rank, source, folder, tp):
         return streamed.keys() == engine.megatron_tensors(model).keys() and all(
             torch.equal(tensor.tensor() if isinstance(tensor, RowBlocks) else tensor, expected[name])
             for name, tensor in streamed.items())
+
+
+def test_a_stand_in_is_written_as_the_blocks_it_stands_for(tmp_path):
+    """What the .distcp writer writes for a tensor that stands in for row blocks (a fused QKV): the
+    blocks, in order, when torch.save hands over its storage whole; an error when it does not."""
+    from conversion.torch_dist_streaming import CopyingStream
+
+    blocks = [torch.arange(16.0).reshape(2, 8), torch.full((1, 8), -1.0), torch.ones(3, 8)]
+    stand_in = torch.empty(6, 8)
+    with open(tmp_path / "whole", "wb") as file:
+        stream = CopyingStream(file)
+        stream.write(b"head")
+        with stream.saving("qkv", stand_in, blocks):
+            assert stream.write(memoryview(stand_in.numpy()).cast("B")) == stand_in.nbytes
+        stream.write(b"tail")
+    assert (tmp_path / "whole").read_bytes() == b"head" + torch.cat(blocks).numpy().tobytes() + b"tail"
+    with open(tmp_path / "piecewise", "wb") as file:
+        stream = CopyingStream(file)
+        with pytest.raises(RuntimeError, match="tensor qkv: torch.save did not write its storage in one piece"):
+            with stream.saving("qkv", stand_in, blocks):
+                stream.write(memoryview(stand_in.numpy()).cast("B")[: stand_in.nbytes // 2])
