@@ -15,6 +15,7 @@ rather than from the map.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -174,36 +175,46 @@ _CANNOT_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 class RegionCopier:
     """Appends a tensor's bytes to a file by copying them, in the kernel (`os.copy_file_range`), from the
     file they still are a region of (`file_region`): writing them from a map of them would first fault
-    each of its pages into this process (slow on a VM). From the first time the files cannot be copied
-    between (`copies` False), it finds no more regions: the caller writes every tensor itself."""
+    each of its pages into this process (slow on a VM). The first copy is made in the caller's thread:
+    if the files cannot be copied between (`copies` False), it finds no more regions and the caller
+    writes every tensor itself. The later ones run on one worker thread while the caller goes on making
+    and writing what comes next (the kernel copies with the GIL released): a copy's place in the file is
+    known from its size, so the caller writes on after it (one that finds its files cannot be copied
+    between writes the bytes from memory itself). `finish()` waits for them and raises their errors;
+    the destination file must not be closed before (`with RegionCopier() as copier`, or `close()`)."""
 
     def __init__(self):
         self.copies = hasattr(os, "copy_file_range")
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future] = []
+
+    def __enter__(self) -> RegionCopier:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.finish(raise_errors=exc_type is None)
+        finally:
+            self.close()
 
     def region(self, tensor: torch.Tensor) -> FileRegion | None:
         return file_region(tensor) if self.copies else None
 
-    def append(self, file: io.BufferedWriter, region: FileRegion, size: int, what: str) -> bool:
-        """Append `size` bytes from `region` to `file` (at its position). False, with `file`'s position
-        unchanged, when these files cannot be copied between; the caller writes the bytes instead, over
-        any copied. `what` names them in errors."""
+    def append(self, file: io.BufferedWriter, region: FileRegion, size: int, what: str, source: torch.Tensor) -> bool:
+        """Append `size` bytes from `region` (the bytes of `source`, kept alive until copied) to `file`, at
+        its position. False, with `file`'s position unchanged, when these files cannot be copied between;
+        the caller writes the bytes instead. `what` names them in errors."""
         file.flush()
         position = file.tell()
-        copied = 0
-        while copied < size:
-            try:
-                step = os.copy_file_range(region.fd, file.fileno(), size - copied, region.offset + copied,
-                                          position + copied)
-            except OSError as error:
-                if error.errno not in _CANNOT_COPY:
-                    raise
+        if self._worker is None:  # the first copy, here: whether these files can be copied between at all
+            if not _copy(region, file.fileno(), position, size, what):
                 self.copies = False
                 return False
-            if step == 0:
-                raise CheckpointError(f"{what}: {region.file} ends before byte {region.offset + size}, "
-                                      f"the end of its {size} bytes from byte {region.offset}")
-            copied += step
-        file.seek(position + size)  # copy_file_range with offsets leaves the file position alone
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="region-copier")
+        else:
+            self._raise_failed()
+            self._pending.append(self._worker.submit(_copy_or_write, region, file.fileno(), position, size, what, source))
+        file.seek(position + size)  # the copy writes at its own offsets; the file goes on after it
         return True
 
     def write(self, file: io.BufferedWriter, blocks: list[torch.Tensor], what: str) -> None:
@@ -212,8 +223,55 @@ class RegionCopier:
         for block in blocks:
             block = block.contiguous()
             region = self.region(block)
-            if region is None or not self.append(file, region, block.nbytes, what):
+            if region is None or not self.append(file, region, block.nbytes, what, block):
                 file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+
+    def finish(self, raise_errors: bool = True) -> None:
+        """Wait for every copy; raise the first one's error (`raise_errors`)."""
+        pending, self._pending = self._pending, []
+        errors = [future.exception() for future in pending]
+        if raise_errors and any(errors):
+            raise next(error for error in errors if error is not None)
+
+    def close(self) -> None:
+        """Wait for every copy (their errors dropped: the caller is failing already, or has `finish`ed)
+        and stop the worker thread."""
+        self.finish(raise_errors=False)
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    def _raise_failed(self) -> None:
+        done = [future for future in self._pending if future.done()]
+        self._pending = [future for future in self._pending if not future.done()]
+        for future in done:
+            future.result()
+
+
+def _copy(region: FileRegion, fd: int, position: int, size: int, what: str) -> bool:
+    """`size` bytes from `region` to `fd` at `position` with copy_file_range; False when these files
+    cannot be copied between (nothing to undo: the caller writes the same bytes over any copied)."""
+    copied = 0
+    while copied < size:
+        try:
+            step = os.copy_file_range(region.fd, fd, size - copied, region.offset + copied, position + copied)
+        except OSError as error:
+            if error.errno not in _CANNOT_COPY:
+                raise
+            return False
+        if step == 0:
+            raise CheckpointError(f"{what}: {region.file} ends before byte {region.offset + size}, "
+                                  f"the end of its {size} bytes from byte {region.offset}")
+        copied += step
+    return True
+
+
+def _copy_or_write(region: FileRegion, fd: int, position: int, size: int, what: str, source: torch.Tensor) -> None:
+    if not _copy(region, fd, position, size, what):  # files the first copy could not tell about
+        data = memoryview(source.reshape(-1).view(torch.uint8).numpy())
+        written = 0
+        while written < size:
+            written += os.pwrite(fd, data[written:], position + written)
 
 
 class CheckpointError(ValueError):
@@ -389,6 +447,7 @@ class ShardedWriter:
         self._shard_bytes = 0
 
     def _close_shard(self) -> None:
+        self._copier.finish()
         header = json.dumps(self._header, separators=(",", ":")).encode()
         self._file.seek(0)
         self._file.write(struct.pack("<Q", self.HEADER_BYTES) + header.ljust(self.HEADER_BYTES, b" "))
@@ -406,6 +465,7 @@ class ShardedWriter:
                 self._finalise_shard_names()
             except BaseException as error:  # the staging folder goes, the error propagates
                 exc_type, exc, tb = type(error), error, error.__traceback__
+        self._copier.close()  # no copy may still write to a shard once it is closed
         if self._file is not None:  # an error left a shard open
             self._file.close()
         return self._stage.__exit__(exc_type, exc, tb)

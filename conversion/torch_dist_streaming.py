@@ -176,9 +176,9 @@ class CopyingStream:
     (`without_crc32`) reads none of them; `_write_item` also calls `tell` and `flush`. The file's bytes
     are the same either way."""
 
-    def __init__(self, file: io.BufferedWriter):
+    def __init__(self, file: io.BufferedWriter, copier: RegionCopier):
         self.file = file
-        self.copier = RegionCopier()
+        self.copier = copier
         self.source = None  # (first byte's address, bytes, blocks, what) of the tensor being saved
         self.appended = False  # whether the tensor being saved has been
 
@@ -252,8 +252,9 @@ def streaming_save_strategy(data: ParameterData | None):
             file_name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
             items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # stable
             results = []
-            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as file:
-                stream = CopyingStream(file)
+            # the copier waits for its copies before the file is closed, on an error too
+            with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as file, RegionCopier() as copier:
+                stream = CopyingStream(file, copier)
                 for item in items:
                     resolved = planner.resolve_data(item)
                     if item.type == WriteItemType.BYTE_IO:

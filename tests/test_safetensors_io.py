@@ -237,3 +237,21 @@ def test_tensors_are_copied_after_the_reader_is_closed_and_leave_no_descriptors(
     del tensors
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+@pytest.mark.parametrize("error", [errno.EXDEV, errno.EIO], ids=errno.errorcode.get)
+def test_a_copy_on_the_worker_that_cannot_copy_writes_and_one_that_fails_is_raised(tmp_path, monkeypatch, error):
+    """After the first copy (made in the caller's thread, which tells whether the files can be copied
+    between), copies run on the writer's worker thread. One that finds these files cannot be copied
+    between writes the bytes itself; any other error is raised by the writer, and nothing is left."""
+    source, reader = mapped_source(tmp_path)
+    tensors = {name: reader.get(name) for name in source}
+    copied = copies(monkeypatch, fail=error)  # the first copy succeeds, every later one fails
+    if error == errno.EXDEV:
+        files = write(tmp_path / "out", tensors)
+        assert copied == [tensors["b.large"].nbytes, 0, 0]  # d.bf16 and e.large: tried, then written
+        assert files == written_plainly(tmp_path / "plain", tensors, monkeypatch)
+    else:
+        with pytest.raises(OSError, match=os.strerror(error)):
+            write(tmp_path / "out", tensors)
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]

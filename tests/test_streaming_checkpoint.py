@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conversion import engine, megatron_ckpt
-from conversion.safetensors_io import MAP_MIN_BYTES, CheckpointReader
+from conversion.safetensors_io import MAP_MIN_BYTES, CheckpointReader, RegionCopier
 from conversion.torch_dist_streaming import without_crc32
 from conversion.transforms import RowBlocks
 from modelzoo import runtime
@@ -337,14 +337,14 @@ def test_a_stand_in_is_written_as_the_blocks_it_stands_for(tmp_path):
     blocks = [torch.arange(16.0).reshape(2, 8), torch.full((1, 8), -1.0), torch.ones(3, 8)]
     stand_in = torch.empty(6, 8)
     with open(tmp_path / "whole", "wb") as file:
-        stream = CopyingStream(file)
+        stream = CopyingStream(file, RegionCopier())
         stream.write(b"head")
         with stream.saving("qkv", stand_in, blocks):
             assert stream.write(memoryview(stand_in.numpy()).cast("B")) == stand_in.nbytes
         stream.write(b"tail")
     assert (tmp_path / "whole").read_bytes() == b"head" + torch.cat(blocks).numpy().tobytes() + b"tail"
     with open(tmp_path / "piecewise", "wb") as file:
-        stream = CopyingStream(file)
+        stream = CopyingStream(file, RegionCopier())
         with pytest.raises(RuntimeError, match="tensor qkv: torch.save did not write its storage in one piece"):
             with stream.saving("qkv", stand_in, blocks):
                 stream.write(memoryview(stand_in.numpy()).cast("B")[: stand_in.nbytes // 2])
