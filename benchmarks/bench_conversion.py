@@ -21,7 +21,7 @@ baseline of its round. Each timed step starts with its input files read into the
 host reclaims cached pages at random), after `sync` (no dirty pages left by an earlier step) and
 `malloc_trim`; peak RSS is the step's own peak (VmHWM reset) above the RSS at its start; CPU seconds
 are the process's user + system time over the step (medians, the step's and its baselines'). Prints a
-table; writes JSON.
+table; writes JSON, with the VM's free page reporting settings (`page_reporting`).
 """
 
 from __future__ import annotations
@@ -181,6 +181,19 @@ if __name__ == "__main__":
 """
 
 
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+
+
+def page_reporting() -> dict[str, str] | None:
+    """The VM kernel's free page reporting settings, where it has them: memory the guest frees is
+    handed back to the host, and the next write to it is ~10x slower than to memory the guest kept,
+    the largest source of these figures' spread (docs/performance.md). Counters left out."""
+    if not PAGE_REPORTING.is_dir():
+        return None
+    return {path.name: path.read_text().strip() for path in sorted(PAGE_REPORTING.iterdir())
+            if path.name not in ("passes", "reported_kib", "walked")}
+
+
 def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
     sys.path.insert(0, str(ROOT / "tiny_checkpoints"))
     from make_tiny import write_sharded_loopcoder
@@ -202,6 +215,8 @@ def measure(label: str, code: str) -> list[dict]:
             results.append({"step": "baseline read+write" if kind == "baseline" else label, "seconds": float(seconds),
                             "cpu_seconds": float(cpu_seconds),
                             "peak_rss_above_start_gib": (float(peak_kib) - float(start_kib)) / 2**20})
+    # as each child ends: a run stopped early (a time limit) still shows what it measured
+    print(f"{label}: " + ", ".join(f"{result['step']} {result['seconds']:.2f} s" for result in results), flush=True)
     return results
 
 
@@ -273,7 +288,8 @@ def main() -> None:
             shutil.rmtree(work / output)
     groups["CLI"] = [summarise(pairs) for pairs in cli_pairs.values()]
 
-    print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}")
+    print(f"checkpoint: {size / 2**30:.2f} GiB bf16 in {len(list(source.glob('*.safetensors')))} shards, {work}; "
+          f"free page reporting: {page_reporting()}")
     for timing, results in groups.items():
         print(f"\n{timing}, {args.rounds} rounds (ratio: median of the per-round ratios to the baseline)\n"
               f"{'step':<20}{'seconds':>9}{'baseline s':>12}{'x baseline':>12}{'CPU s':>7}{'baseline':>10}"
@@ -284,6 +300,7 @@ def main() -> None:
                   f"{row['time_vs_baseline']:>12.2f}{row['cpu_seconds']:>7.1f}{row['baseline_cpu_seconds']:>10.1f}"
                   f"{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
     Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
+                                          "page_reporting": page_reporting(),
                                           "results": groups}, indent=2))
 
 
