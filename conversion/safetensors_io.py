@@ -224,7 +224,7 @@ class RegionCopier:
             block = block.contiguous()
             region = self.region(block)
             if region is None or not self.append(file, region, block.nbytes, what, block):
-                file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+                file.write(_memory_bytes(block))
 
     def finish(self, raise_errors: bool = True) -> None:
         """Wait for every copy; raise the first one's error (`raise_errors`)."""
@@ -248,6 +248,11 @@ class RegionCopier:
             future.result()
 
 
+def _memory_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, where they lie in memory."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def _copy(region: FileRegion, fd: int, position: int, size: int, what: str) -> bool:
     """`size` bytes from `region` to `fd` at `position` with copy_file_range; False when these files
     cannot be copied between (nothing to undo: the caller writes the same bytes over any copied)."""
@@ -268,7 +273,7 @@ def _copy(region: FileRegion, fd: int, position: int, size: int, what: str) -> b
 
 def _copy_or_write(region: FileRegion, fd: int, position: int, size: int, what: str, source: torch.Tensor) -> None:
     if not _copy(region, fd, position, size, what):  # files the first copy could not tell about
-        data = memoryview(source.reshape(-1).view(torch.uint8).numpy())
+        data = _memory_bytes(source)
         written = 0
         while written < size:
             written += os.pwrite(fd, data[written:], position + written)

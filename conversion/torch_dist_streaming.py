@@ -179,30 +179,28 @@ class CopyingStream:
     def __init__(self, file: io.BufferedWriter, copier: RegionCopier):
         self.file = file
         self.copier = copier
-        self.source = None  # (first byte's address, bytes, blocks, what) of the tensor being saved
-        self.appended = False  # whether the tensor being saved has been
+        self.source = None  # (first byte's address, bytes, blocks, what) of the tensor being saved, until appended
 
     @contextlib.contextmanager
     def saving(self, name: str, tensor: torch.Tensor, stands_for: list[torch.Tensor] | None = None) -> Iterator[None]:
         """Meanwhile, `tensor`'s bytes, when torch.save writes them, are appended as `stands_for` (its
         row blocks, `tensor`'s own memory being unwritten) or else as `tensor` itself."""
         self.source = (tensor.data_ptr(), tensor.nbytes, stands_for or [tensor], f"tensor {name}")
-        self.appended = False
         try:
             yield
-            if stands_for is not None and not self.appended:
+            if stands_for is not None and self.source is not None:
                 raise RuntimeError(f"tensor {name}: torch.save did not write its storage in one piece, so the "
                                    "row blocks it stands for were not written in its place")
         finally:
             self.source = None
 
     def write(self, data) -> int:
-        if self.source is not None and not self.appended:
+        if self.source is not None:
             address, size, blocks, what = self.source
             view = memoryview(data)
             if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
                 self.copier.write(self.file, blocks, what)
-                self.appended = True
+                self.source = None
                 return size
         return self.file.write(data)
 
