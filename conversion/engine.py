@@ -162,22 +162,27 @@ def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointRe
 
 def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor | RowBlocks]], table: MappingTable,
                       edit: Callable[[str, Rule, list[torch.Tensor]], list[torch.Tensor]] | None = None,
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      row_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
     `model`: a Megatron model, or its `(name, local tensor or RowBlocks)` pairs read from a checkpoint
     (`megatron_ckpt.stream_weights`). Streams: at most one Megatron tensor is gathered at a time. Every
     rank must iterate (the gathers are collective); all ranks receive the same tensors.
     `edit(megatron_name, rule, hf_tensors)` may replace a tensor's HF tensors before they are yielded
-    (LoRA's merged export).
+    (LoRA's merged export). `row_blocks` (without `edit`): the HF tensors come as `RowBlocks` of the
+    Megatron tensor's rows, not concatenated, for a writer that takes each block where it is
+    (`ShardedWriter.add`: from the checkpoint's file).
     """
     tensors = megatron_tensors(model).items() if isinstance(model, torch.nn.Module) else model
     for name, tensor in tensors:
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
         full = layout.gather(tensor)
-        if isinstance(full, RowBlocks):
-            hf_tensors = rule.transform.to_hf_rows(full, layout.tp_size)
+        if row_blocks and edit is None:
+            rows = full if isinstance(full, RowBlocks) else RowBlocks([full])
+            hf_tensors = rule.transform.to_hf_rows(rows, layout.tp_size)
+        elif isinstance(full, RowBlocks):
+            hf_tensors = [rows.tensor() for rows in rule.transform.to_hf_rows(full, layout.tp_size)]
         else:
             hf_tensors = rule.transform.to_hf(full, layout.tp_size)
         if edit is not None:

@@ -35,6 +35,8 @@ from typing import NamedTuple
 import numpy
 import torch
 
+from conversion.transforms import RowBlocks
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -49,9 +51,13 @@ _DTYPES = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items() if dtype is not None}
 
 
-def _entry_length(name: str, data: torch.Tensor, offset: int) -> int:
-    """Bytes of a tensor's entry in a compact safetensors header, with the comma before it."""
-    entry = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + data.nbytes]}
+def _entry(data: torch.Tensor | RowBlocks, offset: int, size: int) -> dict:
+    """A tensor's entry in a safetensors header."""
+    return {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape), "data_offsets": [offset, offset + size]}
+
+
+def _entry_length(name: str, entry: dict) -> int:
+    """Bytes of an entry in a compact safetensors header, with the comma before it."""
     return len(json.dumps({name: entry}, separators=(",", ":"))) - 1
 
 
@@ -417,24 +423,25 @@ class ShardedWriter:
         self.staging = self._stage.__enter__()
         return self
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        # contiguous copy: the caller's tensor may be a view into a larger (e.g. gathered) buffer
-        data = tensor.detach().to("cpu").contiguous()
+    def add(self, name: str, tensor: torch.Tensor | RowBlocks) -> None:
+        """Append a tensor, or one held as row blocks (written block after block, each taken where it is)."""
+        data = tensor if isinstance(tensor, RowBlocks) else RowBlocks([tensor])
         if data.dtype not in _DTYPE_NAMES:
             raise CheckpointError(f"tensor {name}: safetensors has no dtype {data.dtype}")
-        size = data.nbytes
-        if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes
-                                       or self._header_length + _entry_length(name, data, self._shard_bytes) > self.HEADER_BYTES):
+        blocks = [block.detach().to("cpu") for block in data.blocks]
+        size = sum(block.nbytes for block in blocks)
+        if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes or self._header_length
+                                       + _entry_length(name, _entry(data, self._shard_bytes, size)) > self.HEADER_BYTES):
             self._close_shard()
         if self._file is None:
             self._open_shard()
-        entry_length = _entry_length(name, data, self._shard_bytes)
+        entry = _entry(data, self._shard_bytes, size)
+        entry_length = _entry_length(name, entry)
         if self._header_length + entry_length > self.HEADER_BYTES:
             raise CheckpointError(f"tensor {name}: its header entry is {entry_length} bytes, more than a shard header holds")
-        self._header[name] = {"dtype": _DTYPE_NAMES[data.dtype], "shape": list(data.shape),
-                              "data_offsets": [self._shard_bytes, self._shard_bytes + size]}
+        self._header[name] = entry
         self._header_length += entry_length
-        self._copier.write(self._file, [data], f"tensor {name}")
+        self._copier.write(self._file, blocks, f"tensor {name}")
         self._shard_bytes += size
         self.total_bytes += size
 

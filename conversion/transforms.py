@@ -4,7 +4,9 @@ A transform works on *full* tensors. On the Megatron side "full" means the conca
 tensor-parallel rank's shard along the parameter's partition dimension, so that the engine can
 shard and gather with a plain chunk / cat whatever the layout inside a shard is. Transforms whose
 full layout depends on the TP size (the fused [gate; up] of a SwiGLU MLP) receive it. Towards Megatron
-a transform makes the tensor as `RowBlocks` (its rows, block by block, not yet concatenated).
+a transform makes the tensor as `RowBlocks` (its rows, block by block, not yet concatenated); back
+towards Hugging Face, `to_hf_rows` gives each HF tensor so, and a fused tensor's HF tensors are runs of
+its rows that nothing copied (`RowsTransform`).
 
 Every transform keeps the source dtype: values are only moved, never recomputed.
 """
@@ -67,10 +69,19 @@ class Transform:
     def to_hf(self, megatron: torch.Tensor, tp: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def to_hf_rows(self, megatron: RowBlocks, tp: int) -> list[torch.Tensor]:
-        """`to_hf` of a tensor held as row blocks (one read back in pieces): the blocks concatenated,
-        unless the transform takes its HF tensors' rows from the blocks where they are (`FusedGateUp`)."""
-        return self.to_hf(megatron.tensor(), tp)
+    def to_hf_rows(self, megatron: RowBlocks, tp: int) -> list[RowBlocks]:
+        """`to_hf` of a tensor held as row blocks (one read back in pieces, or a whole one as its only
+        block), each HF tensor as row blocks: the blocks concatenated first, unless the transform takes
+        its HF tensors' rows from the blocks where they are (`RowsTransform`)."""
+        return [RowBlocks([tensor]) for tensor in self.to_hf(megatron.tensor(), tp)]
+
+
+class RowsTransform(Transform):
+    """A transform whose HF tensors are runs of the Megatron tensor's rows: it says which
+    (`to_hf_rows`), so a writer can take each run where it is (a file's bytes) instead of from a copy."""
+
+    def to_hf(self, megatron, tp):
+        return [rows.tensor() for rows in self.to_hf_rows(RowBlocks([megatron]), tp)]
 
 
 class Direct(Transform):
@@ -110,7 +121,7 @@ class PadVocab(Transform):
         return f"PadVocab({self.vocab_size})"
 
 
-class FusedQKV(Transform):
+class FusedQKV(RowsTransform):
     """q, k, v projections <-> Megatron's linear_qkv, interleaved per query group.
 
     Megatron layout (rows): for each KV group g: its heads_per_group query heads, then k_g, then v_g.
@@ -127,18 +138,20 @@ class FusedQKV(Transform):
         grouped = zip(q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail))
         return RowBlocks([block for group in grouped for block in group])
 
-    def to_hf(self, megatron, tp):
-        groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        tail = megatron.shape[1:]
-        grouped = megatron.reshape(groups, (per_group + 2) * d, *tail)
-        q, k, v = grouped.split([per_group * d, d, d], dim=1)
-        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+    def to_hf_rows(self, megatron, tp):
+        """q, k and v, each its rows of every group in turn: `num_kv_heads` blocks, none copied."""
+        per_group, d = self.num_heads // self.num_kv_heads, self.head_dim
+        parts = {"q": (0, per_group * d), "k": (per_group * d, d), "v": ((per_group + 1) * d, d)}
+        group_rows = (per_group + 2) * d
+        return [RowBlocks([block for group in range(self.num_kv_heads)
+                           for block in megatron.narrow(0, group * group_rows + start, rows).blocks])
+                for start, rows in parts.values()]
 
     def __repr__(self) -> str:
         return f"FusedQKV(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
 
 
-class FusedGateUp(Transform):
+class FusedGateUp(RowsTransform):
     """gate and up projections <-> Megatron's linear_fc1 of a gated MLP.
 
     Each TP rank holds [gate_r; up_r], so the full tensor is [gate_0; up_0; gate_1; up_1; ...].
@@ -148,14 +161,10 @@ class FusedGateUp(Transform):
         gate, up = hf
         return RowBlocks([part for pair in zip(gate.chunk(tp), up.chunk(tp)) for part in pair])
 
-    def to_hf(self, megatron, tp):
-        return self.to_hf_rows(RowBlocks([megatron]), tp)
-
     def to_hf_rows(self, megatron, tp):
-        """gate and up, each its ranks' halves concatenated: no copy where that is one block (at TP 1,
-        either half of a whole tensor, or of one read back as its two halves)."""
+        """gate and up, each its ranks' halves in turn, none copied."""
         shards = [shard.chunk(2) for shard in megatron.chunk(tp)]
-        return [RowBlocks([block for half in halves for block in half.blocks]).tensor()
+        return [RowBlocks([block for half in halves for block in half.blocks])
                 for halves in ([gate for gate, _ in shards], [up for _, up in shards])]
 
     def __repr__(self) -> str:

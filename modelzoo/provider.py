@@ -214,7 +214,8 @@ class ModelProvider:
         `source_dir` (default: the folder this provider was built from) when present.
         """
         source = Path(source_dir) if source_dir is not None else self.hf_dir
-        tensors = self.export_hf_weights(model)
+        # a fused tensor's HF tensors as runs of its rows: the writer copies each from the checkpoint's file
+        tensors = engine.export_hf_weights(model, self.mapping(), row_blocks=True)
         if megatron_ckpt.rank() != 0:
             for _ in tensors:  # take part in the gathers
                 pass

@@ -174,12 +174,18 @@ def test_fc1_is_exported_from_its_halves_as_read(tmp_path, monkeypatch):
     assert halves and all(exported[name].data_ptr() in blocks for name in halves)
 
 
-def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tmp_path, make_tiny, monkeypatch):
+# q, k and v of at least MAP_MIN_BYTES each, so the QKV read back is a map too
+QKV_MAPPED = {"hidden_size": 1024, "head_dim": 128, "num_key_value_heads": 4}
+
+
+@pytest.mark.parametrize("overrides", [{}, QKV_MAPPED], ids=["qkv-read", "qkv-mapped"])
+def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tmp_path, make_tiny, monkeypatch, overrides):
     """At TP 1 the tensors of at least MAP_MIN_BYTES are exported as read: maps of the .distcp file,
-    which the writer copies from that file (os.copy_file_range). The files are those the plain writes
-    make, and nothing stays open."""
+    which the writer copies from that file (os.copy_file_range); a fused QKV's q, k and v as their rows
+    of each group, each copied, never concatenated. The files are those the plain writes make, and
+    nothing stays open."""
     source = tmp_path / "hf"
-    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2}, max_shard_bytes=8 * MiB)
+    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2, **overrides}, max_shard_bytes=8 * MiB)
     copy, copied = os.copy_file_range, []
     with runtime.parallel():
         provider = build_provider(source, params_dtype=torch.bfloat16)
@@ -203,6 +209,8 @@ def test_export_copies_the_tensors_it_writes_as_read_from_the_checkpoint_file(tm
         assert len(os.listdir("/proc/self/fd")) == descriptors
     original, exported = CheckpointReader(source), CheckpointReader(tmp_path / "copied")
     expected = {name: original.get(name) for name in original.names()}
+    qkv_mapped = all(tensor.nbytes >= MAP_MIN_BYTES for name, tensor in expected.items() if name.endswith("k_proj.weight"))
+    assert qkv_mapped == bool(overrides)
     assert sum(copied) == sum(tensor.nbytes for tensor in expected.values() if tensor.nbytes >= MAP_MIN_BYTES)
     assert len(plain) > 2, "config.json and several shards"
     assert all(torch.equal(exported.get(name), tensor) for name, tensor in expected.items())

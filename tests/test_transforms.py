@@ -25,6 +25,11 @@ def test_fused_qkv_round_trip_and_layout(kv_heads, per_group, head_dim, hidden):
         rows += [k[g * head_dim:(g + 1) * head_dim], v[g * head_dim:(g + 1) * head_dim]]
     assert torch.equal(fused, torch.cat(rows))
     assert all(torch.equal(a, b) for a, b in zip(transform.to_hf(fused, tp=1), [q, k, v]))
+    # as rows: each of q, k and v one block per group, each a view of the fused tensor (nothing copied)
+    as_rows = transform.to_hf_rows(RowBlocks([fused]), tp=1)
+    assert all(torch.equal(a.tensor(), b) for a, b in zip(as_rows, [q, k, v]))
+    assert all(len(part.blocks) == kv_heads and all(block.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                                                    for block in part.blocks) for part in as_rows)
 
 
 @settings(max_examples=50, deadline=None)
