@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import modelzoo.loopcoder  # noqa: F401  (registers "iquestloopcoder" with the Auto classes)
 from modelzoo.loopcoder import IQuestLoopCoderCache, IQuestLoopCoderConfig, IQuestLoopCoderForCausalLM
 
 LOOP_WINDOW_SIZE = 4
