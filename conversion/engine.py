@@ -178,13 +178,9 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor 
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
         full = layout.gather(tensor)
-        if row_blocks and edit is None:
-            rows = full if isinstance(full, RowBlocks) else RowBlocks([full])
-            hf_tensors = rule.transform.to_hf_rows(rows, layout.tp_size)
-        elif isinstance(full, RowBlocks):
-            hf_tensors = [rows.tensor() for rows in rule.transform.to_hf_rows(full, layout.tp_size)]
-        else:
-            hf_tensors = rule.transform.to_hf(full, layout.tp_size)
+        hf_tensors = rule.transform.to_hf_rows(full if isinstance(full, RowBlocks) else RowBlocks([full]), layout.tp_size)
+        if not row_blocks or edit is not None:
+            hf_tensors = [rows.tensor() for rows in hf_tensors]
         if edit is not None:
             hf_tensors = edit(name, rule, hf_tensors)
         yield from zip(rule.hf_names(indices), hf_tensors)

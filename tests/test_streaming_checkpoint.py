@@ -174,7 +174,7 @@ def test_fc1_is_exported_from_its_halves_as_read(tmp_path, monkeypatch):
     assert halves and all(exported[name].data_ptr() in blocks for name in halves)
 
 
-# q, k and v of at least MAP_MIN_BYTES each, so the QKV read back is a map too
+# q, k and v of at least MAP_MIN_BYTES each: maps of the source files, and the QKV read back a map too
 QKV_MAPPED = {"hidden_size": 1024, "head_dim": 128, "num_key_value_heads": 4}
 
 
@@ -224,9 +224,7 @@ def test_import_copies_the_tensors_it_saves_as_read_from_the_source_files(tmp_pa
     those the plain writes make, byte for byte, and nothing stays open; where the files cannot be copied
     between (EXDEV), they are written plainly."""
     source = tmp_path / "hf"
-    # q, k and v of at least MAP_MIN_BYTES each (maps), so the QKV's blocks are copied too
-    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2, "hidden_size": 1024, "head_dim": 128,
-                                               "num_key_value_heads": 4}, max_shard_bytes=8 * MiB)
+    make_tiny.write_sharded_loopcoder(source, {**CONFIG, "num_hidden_layers": 2, **QKV_MAPPED}, max_shard_bytes=8 * MiB)
     copy, copied = os.copy_file_range, []
 
     def counting(*args):
