@@ -8,7 +8,10 @@
   GPU) for causal attention, and `flex_attention` with a sliding-window block mask on GPU.
 
 Tensors are [batch, heads, seq, head_dim]; keys and values may have fewer heads (GQA). Queries
-and keys share positions (self-attention over the same sequence).
+and keys share positions (self-attention over the same tokens). A `TokenLayout` (modelzoo/sequences.py)
+says which tokens belong together in packed and padded batches: attention stays within a sequence. The fast
+path then runs flex_attention with a block mask made from the sequence ids on a GPU (no [seq, seq] mask), and
+SDPA with the layout's boolean mask on the CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from modelzoo.sequences import TokenLayout
 
 AttentionImpl = Literal["exact", "fast"]
 IMPLEMENTATIONS = ("exact", "fast")
@@ -38,19 +43,37 @@ def _repeat_kv(tensor: Tensor, times: int) -> Tensor:
     return tensor if times == 1 else tensor.repeat_interleave(times, dim=1)
 
 
+def _is_plain(layout: TokenLayout | None) -> bool:
+    return layout is None or layout.plain
+
+
+def visible_keys(seq_len: int, window: int | None, layout: TokenLayout | None, device) -> Tensor:
+    """[seq, seq] (plain rows) or [batch, 1, seq, seq] bool: True where a query may see a key."""
+    if _is_plain(layout):
+        return window_mask(seq_len, window, device)
+    return layout.visible(window)[:, None]
+
+
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
-                    dropout: float = 0.0) -> Tensor:
+                    dropout: float = 0.0, layout: TokenLayout | None = None) -> Tensor:
     dtype = q.dtype
     groups = q.shape[1] // k.shape[1]
     q, k, v = q.float(), _repeat_kv(k, groups).float(), _repeat_kv(v, groups).float()
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = scores.masked_fill(~window_mask(q.shape[2], window, q.device), float("-inf"))
+    scores = scores.masked_fill(~visible_keys(q.shape[2], window, layout, q.device), float("-inf"))
     probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=dropout > 0)
     return torch.matmul(probs, v).to(dtype)
 
 
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
-                   dropout: float = 0.0) -> Tensor:
+                   dropout: float = 0.0, layout: TokenLayout | None = None) -> Tensor:
+    gqa = k.shape[1] != q.shape[1]
+    if not _is_plain(layout):
+        if q.is_cuda and dropout == 0.0 and layout.attention_mask is None:
+            return _flex_documents(q, k, v, scale, window, layout)
+        # CPU, dropout or a caller's general mask: SDPA with the boolean mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.visible(window)[:, None], scale=scale,
+                                              dropout_p=dropout, enable_gqa=gqa)
     if window is None or window >= q.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout,
                                               enable_gqa=k.shape[1] != q.shape[1])
@@ -62,11 +85,11 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
-              impl: AttentionImpl = "exact", dropout: float = 0.0) -> Tensor:
+              impl: AttentionImpl = "exact", dropout: float = 0.0, layout: TokenLayout | None = None) -> Tensor:
     if impl == "exact":
-        return eager_attention(q, k, v, scale, window, dropout)
+        return eager_attention(q, k, v, scale, window, dropout, layout)
     if impl == "fast":
-        return fast_attention(q, k, v, scale, window, dropout)
+        return fast_attention(q, k, v, scale, window, dropout, layout)
     raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
 
 
@@ -99,12 +122,39 @@ def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: 
                                       enable_gqa=k.shape[1] != q.shape[1])
 
 
+def document_block_mask(layout: TokenLayout, window: int | None):
+    """flex_attention block mask of a layout: causal within each sequence (and its window), padding with padding.
+
+    Built from the [b, s] sequence ids and positions without a [s, s] tensor (compiled `create_block_mask`):
+    blocks that straddle no sequence border are skipped or taken whole, as for one sequence.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    segment_ids, positions = layout.segment_ids, layout.positions
+
+    def same_sequence(batch, head, query, key):
+        allowed = (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+        if window is not None:
+            allowed = allowed & (positions[batch, query] - positions[batch, key] < window)
+        return allowed
+
+    batch, seq = layout.shape
+    return create_block_mask(same_sequence, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device=segment_ids.device,
+                             _compile=True)
+
+
+def _flex_documents(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, layout: TokenLayout) -> Tensor:
+    return compiled_flex_attention()(q, k, v, block_mask=document_block_mask(layout, window), scale=scale,
+                                      enable_gqa=k.shape[1] != q.shape[1])
+
+
 class CoreAttention(torch.nn.Module):
     """Megatron-Core `core_attention` submodule backed by `attention()` (no parameters).
 
     Drop-in for the local spec's DotProductAttention: takes [seq, batch, heads, head_dim] query, key
     and value for this rank's heads and returns [seq, batch, heads * head_dim]. Always causal;
-    `window` makes it sliding-window, `impl` picks the exact or the fast kernel.
+    `window` makes it sliding-window, `impl` picks the exact or the fast kernel. The batch's `TokenLayout`
+    arrives as Megatron's `packed_seq_params` (see `modelzoo.sequences.TokenLayout.qkv_format`).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,
@@ -119,9 +169,11 @@ class CoreAttention(torch.nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("CoreAttention is causal over unpadded sequences: attention masks, biases "
-                             "and packed sequences are not supported")
+        if attention_mask is not None or attention_bias is not None or not (
+                packed_seq_params is None or isinstance(packed_seq_params, TokenLayout)):
+            raise ValueError("CoreAttention reads the batch's TokenLayout (modelzoo.sequences), which modelzoo's "
+                             "models build from attention_mask / packed_seq_params: call the model, not its decoder")
+        layout = packed_seq_params
         dropout = self.config.attention_dropout if self.training else 0.0
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if dropout > 0:
@@ -129,7 +181,7 @@ class CoreAttention(torch.nn.Module):
 
             # heads are split across TP ranks: each rank draws its own dropout mask (Megatron's rule)
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = attention(q, k, v, self.scale, self.window, self.impl, dropout)
+                out = attention(q, k, v, self.scale, self.window, self.impl, dropout, layout)
         else:
-            out = attention(q, k, v, self.scale, self.window, self.impl)
+            out = attention(q, k, v, self.scale, self.window, self.impl, layout=layout)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

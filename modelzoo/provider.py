@@ -7,9 +7,9 @@
         logprobs = provider.token_logprobs(model, input_ids)
         for name, tensor in provider.export_hf_weights(model): ...
 
-An architecture subclasses it and fills in four things: the TransformerConfig fields, the module,
-the mapping table and the forward call. Everything else (parallel sizes, vocabulary padding,
-weight movement, log-probabilities) is generic and lives here.
+An architecture subclasses it and fills in three things: the TransformerConfig fields, the module and the
+mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). Everything else
+(parallel sizes, vocabulary padding, weight movement, log-probabilities) is generic and lives here.
 """
 
 from __future__ import annotations
@@ -104,10 +104,6 @@ class ModelProvider:
         raise NotImplementedError
 
     def mapping(self) -> MappingTable:
-        raise NotImplementedError
-
-    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of this rank's vocabulary shard, [batch, seq, padded_vocab / tp]."""
         raise NotImplementedError
 
     def hf_model_class(self):
@@ -237,17 +233,48 @@ class ModelProvider:
             raise ValueError(f"{self.name} checkpoints are written only in the 'hf' format without quantisation")
         return self.save_hf(model, out_dir, **options)
 
-    def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """log p(t[i+1] | t[:i+1]) for each position, [batch, seq - 1], fp32, on every TP rank."""
-        return next_token_logprobs(self.forward(model, input_ids), input_ids, self.vocab_size)
+    def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids=None,
+                       attention_mask=None, packed_seq_params=None, loss_mask: torch.Tensor | None = None):
+        """log p(t[i+1] | t[:i+1]) from one forward, fp32, on every TP rank.
+
+        - rows `input_ids` [b, s] (padded ones with `attention_mask` / `position_ids`, GPTModel's arguments):
+          a tensor [b, s - 1]; entries whose target is padding mean nothing;
+        - a packed row [1, T] with `packed_seq_params` (THD): a list of each sequence's [length - 1] tensor,
+          equal to running that sequence alone;
+        - with `loss_mask` (same shape as input_ids, nonzero on the tokens to score, e.g. the response tokens):
+          a list, per row or per packed sequence, of the scored tokens' log-probabilities, in order.
+        """
+        from modelzoo.sequences import BatchLayoutError, packed_spans
+
+        logits = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+        logprobs = next_token_logprobs(logits, input_ids, self.vocab_size)         # [b, s - 1]
+        if packed_seq_params is None:
+            spans = [(row, 0, input_ids.shape[1]) for row in range(input_ids.shape[0])]
+            if loss_mask is None:
+                return logprobs
+        else:
+            lengths, offsets = packed_spans(packed_seq_params, input_ids.shape[1])
+            spans = [(0, offset, length) for offset, length in zip(offsets, lengths)]
+        if loss_mask is None:
+            return [logprobs[row, start:start + length - 1] for row, start, length in spans]
+        if loss_mask.shape != input_ids.shape:
+            raise BatchLayoutError(f"loss_mask must have input_ids' shape {list(input_ids.shape)}, "
+                                   f"got {list(loss_mask.shape)}")
+        scored = loss_mask.to(device=logprobs.device) != 0
+        first = [number for number, (row, start, _) in enumerate(spans) if scored[row, start]]
+        if first:
+            raise BatchLayoutError(f"loss_mask marks the first token of sequence {first[0]}, which has no "
+                                   f"log-probability (nothing precedes it)")
+        return [logprobs[row, start:start + length - 1][scored[row, start + 1:start + length]]
+                for row, start, length in spans]
 
     @torch.no_grad()
-    def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
         """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        local = self.forward(model, input_ids).contiguous()
+        local = model(input_ids, **call).contiguous()
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
         return torch.cat(shards, dim=-1)[..., : self.vocab_size]

@@ -75,9 +75,6 @@ class DeepseekV4Provider(ModelProvider):
     def mapping(self):
         return deepseek_v4_mapping(self.hf_config.vocab_size, self.hf_config.n_routed_experts)
 
-    def forward(self, model, input_ids):
-        return model(input_ids)
-
     def loss(self, model, input_ids: torch.Tensor) -> torch.Tensor:
         """Mean next-token CE over the batch, plus mtp_loss_scale x the MTP loss when switched on."""
         from modelzoo.deepseek_v4.model.mtp import mtp_loss, shifted_cross_entropy

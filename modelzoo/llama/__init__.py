@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modelzoo.llama.bridge import llama_mapping
-from modelzoo.llama.model import build_gpt_model, gpt_forward
+from modelzoo.llama.model import build_gpt_model
 from modelzoo.provider import SWIGLU_RMSNORM_FIELDS, ModelProvider
 from modelzoo.registry import register
 
@@ -60,11 +60,8 @@ class LlamaProvider(ModelProvider):
     def build_model(self, config):
         hf = self.hf_config
         return build_gpt_model(config, self.attention, self.padded_vocab_size(), hf.max_position_embeddings,
-                               hf.rope_parameters["rope_theta"], hf.tie_word_embeddings)
+                               hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.vocab_size)
 
     def mapping(self):
         hf = self.hf_config
         return llama_mapping(hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
-
-    def forward(self, model, input_ids):
-        return gpt_forward(model, input_ids)

@@ -1,14 +1,20 @@
-"""Llama as a Megatron-Core GPTModel: the local layer spec with modelzoo's core attention."""
+"""Llama as a Megatron-Core GPTModel: the local layer spec with modelzoo's core attention.
+
+`LlamaGPTModel` is GPTModel with its own `forward`, composed of GPTModel's public pieces (embedding, rotary
+table, decoder, output layer), so that the batch forms trainers send (packed THD rows, padding masks, left
+padding with position ids) reach the attention as one `TokenLayout` and RoPE follows each token's position;
+GPTModel's own forward takes RoPE positions from the row index and leaves masks and packing to Transformer Engine.
+"""
 
 from __future__ import annotations
 
 import copy
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from modelzoo import gpt_call
 from modelzoo.attention import CoreAttention
 
 
@@ -21,9 +27,35 @@ def llama_layer_spec(attention: str) -> ModuleSpec:
     return spec
 
 
+class LlamaGPTModel(GPTModel):
+    """GPTModel whose forward reads the batch as modelzoo's models do (see modelzoo.gpt_call)."""
+
+    vocab_size: int  # the real vocabulary (the output layer's rows past it are padding)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output=None,
+                *, inference_params=None, loss_mask=None, padding_mask=None, output_processor=None,
+                output_processor_context=None):
+        gpt_call.refuse_unsupported("Llama", inference_context, inference_params, extra_block_kwargs, output_processor)
+        if decoder_input is None and not self.pre_process:
+            decoder_input = self.decoder.input_tensor  # a later pipeline stage: the previous stage's output
+        layout = gpt_call.input_layout("Llama", input_ids, decoder_input, position_ids, attention_mask,
+                                       packed_seq_params, self.max_sequence_length)
+        if decoder_input is None:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=None)            # [s, b, hidden]
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
+                              packed_seq_params=layout)
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)
+        return gpt_call.language_model_output(logits.transpose(0, 1), labels, self.vocab_size, runtime_gather_output)
+
+
 def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence_length: int,
-                    rope_theta: float, tie_word_embeddings: bool) -> GPTModel:
-    return GPTModel(
+                    rope_theta: float, tie_word_embeddings: bool, vocab_size: int) -> LlamaGPTModel:
+    model = LlamaGPTModel(
         config=config,
         transformer_layer_spec=llama_layer_spec(attention),
         vocab_size=padded_vocab_size,
@@ -33,8 +65,5 @@ def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence
         share_embeddings_and_output_weights=tie_word_embeddings,
         parallel_output=True,
     )
-
-
-def gpt_forward(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return model(input_ids, positions, attention_mask=None)
+    model.vocab_size = vocab_size
+    return model

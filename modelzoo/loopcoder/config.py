@@ -66,3 +66,8 @@ class IQuestLoopCoderConfig(PretrainedConfig):
 
 
 __all__ = ["IQuestLoopCoderConfig"]
+
+
+PIPELINE_REFUSAL = ("LoopCoder: pipeline parallelism is not supported: loop 2 needs every layer's loop-1 keys and "
+                    "values, so each stage would run twice and send K/V of all its layers between loops "
+                    "(see docs/loopcoder.md)")

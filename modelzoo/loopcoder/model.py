@@ -14,6 +14,10 @@ Llama tensor maps the same way; each layer adds a `loop_gate` (weight [heads, he
 
 Loop-1 keys and values are handed from loop 1 to loop 2 through the forward call (a local list),
 never stored on a module: they are freed with the autograd graph after backward.
+
+The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`): in packed rows and padded batches the
+batch's `TokenLayout` keeps every attention (loop 1, loop 2's global attention over loop-1 K/V, and its
+window) inside each sequence, and RoPE follows each token's position.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from megatron.core.utils import divide
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from modelzoo import gpt_call
 from modelzoo.attention import attention
+from modelzoo.loopcoder.config import PIPELINE_REFUSAL
+from modelzoo.sequences import TokenLayout
 
 LoopKV = tuple[Tensor, Tensor]  # post-RoPE loop-1 keys and values of one layer, [batch, kv_heads, seq, head_dim]
 
@@ -92,19 +99,20 @@ class LoopCoderAttention(MegatronModule):
         k = apply_rotary_pos_emb(k, rotary, config=self.config)
         return q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
 
-    def _core(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, layout: TokenLayout) -> Tensor:
         scale = self.head_dim**-0.5
         if self.recompute_core_attention and torch.is_grad_enabled():
-            return checkpoint(attention, q, k, v, scale, window, self.attention_impl, use_reentrant=False)
-        return attention(q, k, v, scale, window, self.attention_impl)
+            return checkpoint(attention, q, k, v, scale, window, self.attention_impl, 0.0, layout, use_reentrant=False)
+        return attention(q, k, v, scale, window, self.attention_impl, layout=layout)
 
-    def forward(self, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
+    def forward(self, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
+                loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
         q, k, v = self._project(hidden, rotary)
         if loop1_kv is None:  # loop 1: a plain causal layer
-            context = self._core(q, k, v, window=None)
+            context = self._core(q, k, v, None, layout)
         else:  # loop 2: global attention over loop-1 K/V, local over its own, mixed per head
-            global_context = self._core(q, *loop1_kv, window=None)
-            local_context = self._core(q, k, v, window=self.loop_window_size)
+            global_context = self._core(q, *loop1_kv, None, layout)
+            local_context = self._core(q, k, v, self.loop_window_size, layout)
             gate = self.loop_gate(q)
             context = gate * global_context + (1 - gate) * local_context
         seq, batch = hidden.shape[:2]
@@ -125,8 +133,9 @@ class LoopCoderLayer(MegatronModule):
         self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
                                              linear_fc2=tensor_parallel.RowParallelLinear))
 
-    def forward(self, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
-        attention_out, kv = self.self_attention(self.input_layernorm(hidden), rotary, loop1_kv)
+    def forward(self, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
+                loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
+        attention_out, kv = self.self_attention(self.input_layernorm(hidden), rotary, layout, loop1_kv)
         hidden = hidden + attention_out
         mlp_out, _ = self.mlp(self.pre_mlp_layernorm(hidden))
         return hidden + mlp_out, kv
@@ -142,12 +151,13 @@ class LoopCoderDecoder(MegatronModule):
                                             eps=config.layernorm_epsilon)
         self.recompute_layers = config.recompute_granularity == "full"
 
-    def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, loop1_kv: LoopKV | None):
+    def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
+             loop1_kv: LoopKV | None):
         if self.recompute_layers and torch.is_grad_enabled():
             # non-reentrant checkpoint: loop-1 K/V are outputs of the recomputed region and loop-2
             # inputs to it, and gradients reach them through both paths
-            return checkpoint(layer, hidden, rotary, loop1_kv, use_reentrant=False)
-        return layer(hidden, rotary, loop1_kv)
+            return checkpoint(layer, hidden, rotary, layout, loop1_kv, use_reentrant=False)
+        return layer(hidden, rotary, layout, loop1_kv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # Megatron's default treats a plain ModuleList as replicated; each layer knows its own TP split
@@ -158,24 +168,24 @@ class LoopCoderDecoder(MegatronModule):
                                                 metadata, tp_group=parallel_state.get_tensor_model_parallel_group()))
         return state
 
-    def forward(self, hidden: Tensor, rotary: Tensor, loop_num: int) -> Tensor:
+    def forward(self, hidden: Tensor, rotary: Tensor, loop_num: int, layout: TokenLayout) -> Tensor:
         loop1_kv: list[LoopKV] = []
         for layer in self.layers:
-            hidden, kv = self._run(layer, hidden, rotary, None)
+            hidden, kv = self._run(layer, hidden, rotary, layout, None)
             loop1_kv.append(kv)
         if loop_num == 2:
             for layer, kv in zip(self.layers, loop1_kv):
-                hidden, _ = self._run(layer, hidden, rotary, kv)
+                hidden, _ = self._run(layer, hidden, rotary, layout, kv)
         return self.final_layernorm(hidden)
 
 
 class LoopCoderModel(MegatronModule):
     """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
 
-    def __init__(self, config, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
+    def __init__(self, config, vocab_size: int, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
                  loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False):
         super().__init__(config)
-        self.loop_num = loop_num
+        self.loop_num, self.vocab_size, self.max_sequence_length = loop_num, vocab_size, max_sequence_length
         self.embedding = LanguageModelEmbedding(config, padded_vocab_size, max_sequence_length,
                                                 position_embedding_type="none")
         self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rope_theta,
@@ -185,12 +195,24 @@ class LoopCoderModel(MegatronModule):
             config.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
             gather_output=False)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids [batch, seq] -> logits of this rank's vocabulary shard [batch, seq, vocab / tp]."""
-        seq = input_ids.shape[1]
-        positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
-        hidden = self.embedding(input_ids, positions)  # [seq, batch, hidden]
-        rotary = self.rotary_pos_emb(seq)
-        hidden = self.decoder(hidden, rotary, self.loop_num)
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's schedules hand each pipeline stage its input; LoopCoder is one stage, whose input is None."""
+        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+        if any(tensor is not None for tensor in tensors):
+            raise ValueError(PIPELINE_REFUSAL)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                decoder_input: Tensor | None = None, labels: Tensor | None = None, inference_context=None,
+                packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output: bool | None = None, *,
+                inference_params=None, loss_mask=None, padding_mask=None) -> Tensor:
+        """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [batch, seq, vocab / tp],
+        or with `labels` the per-token loss [batch, seq]."""
+        gpt_call.refuse_unsupported("LoopCoder", inference_context, inference_params, extra_block_kwargs)
+        layout = gpt_call.input_layout("LoopCoder", input_ids, decoder_input, position_ids, attention_mask,
+                                       packed_seq_params, self.max_sequence_length)
+        hidden = decoder_input if decoder_input is not None else self.embedding(input_ids, None)  # [seq, batch, hidden]
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        hidden = self.decoder(hidden, rotary, self.loop_num, layout)
         logits, _ = self.output_layer(hidden)
-        return logits.transpose(0, 1).contiguous()
+        return gpt_call.language_model_output(logits.transpose(0, 1), labels, self.vocab_size, runtime_gather_output)
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from modelzoo.llama import check_llama_supported, llama_transformer_fields
 from modelzoo.loopcoder.bridge import loopcoder_mapping
-from modelzoo.loopcoder.config import IQuestLoopCoderConfig
+from modelzoo.loopcoder.config import PIPELINE_REFUSAL, IQuestLoopCoderConfig
 from modelzoo.provider import ModelProvider
 from modelzoo.registry import register
 
@@ -51,7 +51,7 @@ class LoopCoderProvider(ModelProvider):
         if config.pipeline_model_parallel_size > 1:
             raise ValueError(PIPELINE_REFUSAL)
         hf = self.hf_config
-        return LoopCoderModel(config, self.padded_vocab_size(), hf.max_position_embeddings,
+        return LoopCoderModel(config, hf.vocab_size, self.padded_vocab_size(), hf.max_position_embeddings,
                               hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,
                               attention_impl=self.attention, train_gate=self.train_gate)
 
@@ -59,10 +59,3 @@ class LoopCoderProvider(ModelProvider):
         hf = self.hf_config
         return loopcoder_mapping(hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
 
-    def forward(self, model, input_ids):
-        return model(input_ids)
-
-
-PIPELINE_REFUSAL = ("LoopCoder: pipeline parallelism is not supported: loop 2 needs every layer's loop-1 keys and "
-                    "values, so each stage would run twice and send K/V of all its layers between loops "
-                    "(see docs/loopcoder.md)")

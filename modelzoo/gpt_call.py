@@ -1,0 +1,72 @@
+"""Megatron-Core GPTModel's forward arguments, read the same way by every model of modelzoo.
+
+    model(input_ids, position_ids, attention_mask, decoder_input=None, labels=None, inference_context=None,
+          packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output=None, *,
+          inference_params=None, loss_mask=None, padding_mask=None)
+
+Each argument means what it means to GPTModel (megatron/core/models/gpt/gpt_model.py): `labels` [b, s] turn the
+output from this rank's vocabulary shard of the logits [b, s, V / tp] into the per-token loss [b, s]
+(-log p(labels[t] | tokens up to t)); `runtime_gather_output=True` gathers the logits over the vocabulary;
+`decoder_input` [s, b, hidden] replaces the embedding; `loss_mask` weighs the MTP loss (the main loss is
+returned per token, unweighted, as GPTModel returns it). `attention_mask`, `position_ids` and
+`packed_seq_params` describe the batch (`modelzoo.sequences`). What a model cannot honour (a KV-cache
+inference context, extra kwargs for Megatron's own blocks) is refused by name with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from modelzoo.logprobs import vocab_parallel_logprobs
+from modelzoo.sequences import TokenLayout
+
+
+def refuse_unsupported(model_name: str, inference_context=None, inference_params=None, extra_block_kwargs=None,
+                       output_processor=None) -> None:
+    if inference_context is not None or inference_params is not None:
+        raise ValueError(f"{model_name}: inference_context / inference_params (KV-cache decoding) are not supported: "
+                         f"these models run whole sequences (training, prefill, log-probabilities)")
+    if extra_block_kwargs:
+        raise ValueError(f"{model_name}: extra_block_kwargs {sorted(extra_block_kwargs)} are for Megatron's own "
+                         f"TransformerBlock, which this model does not use")
+    if output_processor is not None:
+        raise ValueError(f"{model_name}: output_processor is not supported: pass labels for the per-token loss, "
+                         f"or take the logits")
+
+
+def rotary_per_token(table: Tensor, layout: TokenLayout) -> Tensor:
+    """Megatron's RoPE frequency table [L, 1, 1, d] (L >= layout.rope_length) -> each token's frequencies
+    [s, b, 1, d]; for plain rows the table's first s rows as they are, [s, 1, 1, d]."""
+    if layout.plain:
+        return table[: layout.shape[1]]
+    return table[layout.rope_positions.transpose(0, 1)].squeeze(2)
+
+
+def language_model_output(logits: Tensor, labels: Tensor | None, vocab_size: int,
+                          runtime_gather_output: bool | None = None) -> Tensor:
+    """Vocab-parallel logits [b, s, V_padded / tp] -> what GPTModel returns: the logits (gathered over the
+    tensor-parallel group when `runtime_gather_output`), or with `labels` the per-token loss [b, s], fp32,
+    over the real vocabulary (the padded rows of Megatron's vocabulary take no probability)."""
+    if labels is not None:
+        if labels.shape != logits.shape[:-1]:
+            raise ValueError(f"labels must be [batch, seq] = {list(logits.shape[:-1])}, got {list(labels.shape)}")
+        return -vocab_parallel_logprobs(logits, labels, vocab_size)
+    if runtime_gather_output:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        return gather_from_tensor_model_parallel_region(logits)
+    return logits
+
+
+def input_layout(model_name: str, input_ids: Tensor | None, decoder_input: Tensor | None, position_ids, attention_mask,
+                 packed_seq_params, max_positions: int) -> TokenLayout:
+    """The batch's layout, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b] shape."""
+    from modelzoo.sequences import token_layout
+
+    if input_ids is None:
+        if decoder_input is None:
+            raise ValueError(f"{model_name}: input_ids or decoder_input is needed")
+        input_ids = torch.empty(decoder_input.shape[1], decoder_input.shape[0], dtype=torch.long,
+                                device=decoder_input.device)
+    return token_layout(input_ids, position_ids, attention_mask, packed_seq_params, max_positions)
