@@ -83,16 +83,22 @@ class TokenLayout:
             allowed = allowed & (self.positions[:, :, None] - self.positions[:, None, :] < window)
         return allowed | (torch.eye(seq, dtype=torch.bool, device=allowed.device) & ~allowed.any(-1, keepdim=True))
 
-    def sequence_ends(self) -> Tensor:
-        """[b, s] int64: for each token, the row index one past its sequence's last token (its own index + 1 for padding)."""
-        batch, seq = self.shape
-        index = torch.arange(seq, device=self.segment_ids.device).expand(batch, -1)
-        # a token's sequence ends before the next token that starts a sequence or is padding
-        boundary = (self.positions == 0) | self.padding
-        next_boundary = torch.where(boundary, index, seq)
-        ends = next_boundary.flip(1).cummin(1).values.flip(1)          # first boundary at or after each index
-        following = torch.nn.functional.pad(ends[:, 1:], (0, 1), value=seq)
-        return torch.where(self.padding, index + 1, following)
+    @functools.cached_property
+    def sequences(self) -> list[tuple[int, int, int]]:
+        """(row, first token, length) of every sequence, in row order (read on the host; for per-sequence work)."""
+        rows, starts = torch.nonzero((self.positions == 0) & ~self.padding, as_tuple=True)
+        counts = [torch.bincount(row[row >= 0], minlength=0) for row in self.segment_ids]
+        return [(row, start, int(counts[row][self.segment_ids[row, start]]))
+                for row, start in zip(rows.tolist(), starts.tolist())]
+
+    def contiguous(self) -> bool:
+        """Whether each sequence's tokens are consecutive in its row, positions 0, 1, 2, ... (true of plain,
+        packed and left- or right-padded rows; false of a general mask, or of padding between two tokens)."""
+        if self.attention_mask is not None:
+            return False
+        follows = (self.segment_ids[:, 1:] == self.segment_ids[:, :-1]) & (self.positions[:, 1:] == self.positions[:, :-1] + 1)
+        continuing = (self.segment_ids[:, 1:] >= 0) & (self.positions[:, 1:] > 0)
+        return bool((follows | ~continuing).all()) and bool((self.positions[:, 0] == 0).all())
 
 
 def plain_layout(batch: int, seq: int, device: torch.device | str) -> TokenLayout:

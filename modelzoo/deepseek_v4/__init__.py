@@ -59,7 +59,8 @@ class DeepseekV4Provider(ModelProvider):
     def build_model(self, config):
         from modelzoo.deepseek_v4.model.model import DeepseekV4Model
 
-        return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp)
+        return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp,
+                               self.mtp_loss_scale)
 
     def checkpoint_reader(self, folder, naming=None):
         # release checkpoints: native names, FP8 / MXFP4 weights dequantised on read (docs/deepseek_v4.md)
@@ -76,11 +77,14 @@ class DeepseekV4Provider(ModelProvider):
         return deepseek_v4_mapping(self.hf_config.vocab_size, self.hf_config.n_routed_experts)
 
     def loss(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """Mean next-token CE over the batch, plus mtp_loss_scale x the MTP loss when switched on."""
+        """Mean next-token CE over plain rows, plus mtp_loss_scale x the MTP loss when switched on.
+        (Packed or padded batches: the model's GPTModel call with `labels`, which adds the MTP loss the same way.)"""
         from modelzoo.deepseek_v4.model.mtp import mtp_loss, shifted_cross_entropy
 
+        outputs = model(input_ids, return_mtp=bool(self.mtp_loss_scale))
+        logits, mtp_logits = outputs if self.mtp_loss_scale else (outputs, None)
+        per_token, has_target = shifted_cross_entropy(logits, input_ids, 1, self.vocab_size)
+        main = per_token[has_target].mean()
         if not self.mtp_loss_scale:
-            return shifted_cross_entropy(model(input_ids), input_ids, 1, self.vocab_size).mean()
-        logits, mtp_logits = model(input_ids, return_mtp=True)
-        main = shifted_cross_entropy(logits, input_ids, 1, self.vocab_size).mean()
+            return main
         return main + self.mtp_loss_scale * mtp_loss(mtp_logits, input_ids, self.vocab_size)

@@ -53,6 +53,7 @@ class DeepseekV4Args:
     rms_norm_eps: float
     rope_parameters: dict           # {"main": {...}, "compress": {...}} as the HF config holds them
     num_mtp_layers: int
+    max_position_embeddings: int
     # the MTP block is a sliding-window layer with a learned (non-hash) router: the release's MTP
     # tensors have no compressor/indexer and a gate bias; transformers' schema does not describe it
     mtp_layer_type: str = SLIDING
@@ -73,7 +74,7 @@ class DeepseekV4Args:
             routed_scaling_factor=hf.routed_scaling_factor, swiglu_limit=hf.swiglu_limit,
             mlp_layer_types=tuple(hf.mlp_layer_types), rms_norm_eps=hf.rms_norm_eps,
             rope_parameters={k: dict(v) for k, v in hf.rope_parameters.items() if isinstance(v, dict)},
-            num_mtp_layers=hf.num_nextn_predict_layers or 0,
+            num_mtp_layers=hf.num_nextn_predict_layers or 0, max_position_embeddings=hf.max_position_embeddings,
         )
 
     def compress_rate(self, layer_type: str) -> int:

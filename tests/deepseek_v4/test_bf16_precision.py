@@ -23,7 +23,7 @@ BF16_ERROR_FACTOR = 1.25
 @pytest.mark.slow
 def test_bf16_error_is_no_larger_than_transformers(tmp_path):
     folder = write_tiny(tmp_path / "no-top-k", index_topk=1024, num_experts_per_tok=8, mlp_layer_types=["moe"] * 4,
-                        sliding_window=32,
+                        sliding_window=32, max_position_embeddings=512,
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
     ids = torch.randint(0, 250, (1, 512), generator=torch.Generator().manual_seed(0))
     theirs, ours = {}, {}

@@ -47,7 +47,8 @@ def test_shift_and_uniform_loss_by_hand():
                 peaked[b, i, ids[b, i + 2]] = 3.0
         expected = math.log1p(249 * math.exp(-3.0))
         assert abs(mtp_loss([peaked], ids, VOCAB).item() - expected) < 1e-6 * expected
-        assert shifted_cross_entropy(peaked, ids, 2, VOCAB).shape == (2, 4)
+        per_token, has_target = shifted_cross_entropy(peaked, ids, 2, VOCAB)
+        assert per_token.shape == (2, 6) and has_target.tolist() == [[True] * 4 + [False] * 2] * 2
 
 
 def _reference_mtp_logits(tiny, tmp_path, ids):

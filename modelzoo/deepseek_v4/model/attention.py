@@ -21,7 +21,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import window_mask
+from modelzoo.attention import visible_keys
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
@@ -36,6 +36,7 @@ from modelzoo.deepseek_v4.model.layers import (
     unweighted_rms_norm,
 )
 from modelzoo.fused import fused
+from modelzoo.sequences import TokenLayout, plain_layout
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
 
@@ -144,9 +145,15 @@ class DeepseekV4Attention(nn.Module):
         self.rotary = RotaryTable(*args.rope_table(args.rope_kind(layer_type)))
         self.compressor = None if layer_type == SLIDING else COMPRESSORS[layer_type](config, args)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """hidden_states [B, S, hidden] (replicated over TP) -> [B, S, hidden] (all-reduced)."""
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        """hidden_states [B, S, hidden] (replicated over TP) -> [B, S, hidden] (all-reduced).
+
+        position_ids [B|1, S]: RoPE positions; `layout`: which tokens form each sequence (modelzoo.sequences),
+        None for plain rows."""
         batch, seq_len, _ = hidden_states.shape
+        if layout is None:
+            layout = plain_layout(batch, seq_len, hidden_states.device)
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
 
         q_residual = self.q_layernorm(self.linear_q_down_proj(hidden_states))
@@ -157,27 +164,25 @@ class DeepseekV4Attention(nn.Module):
         kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, 1, seq_len, self.head_dim)
         kv = apply_rotary(kv, cos, sin)
 
-        block_bias = None
+        compressed_visible = None                                                        # [B, S, E]
         if self.compressor is not None:
-            compressed_kv, block_bias = self.compressor(hidden_states, q_residual, position_ids)
+            compressed_kv, compressed_visible = self.compressor(hidden_states, q_residual, position_ids, layout)
             kv = torch.cat([kv, compressed_kv], dim=2)
         # K = V is computed on every rank but read only by this rank's heads: sum its gradients
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
 
         if self.attention == "fast":
-            visible = None
-            if kv.shape[2] > seq_len:  # CSA: the indexer's picks; HCA: the complete windows (one query: all)
-                visible = (block_bias[:, 0] == 0 if block_bias is not None
-                           else torch.ones(1, seq_len, kv.shape[2] - seq_len, dtype=torch.bool, device=kv.device))
-            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
+            segments = None if layout.plain else layout.segment_ids
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, compressed_visible,
+                                        segments)
         else:
-            allowed = window_mask(seq_len, self.sliding_window, hidden_states.device)
-            mask = torch.zeros(seq_len, seq_len, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None].expand(batch, 1, -1, -1)
-            if block_bias is not None:
-                mask = torch.cat([mask, block_bias.to(mask.dtype)], dim=-1)
-            elif kv.shape[2] > seq_len:
-                mask = torch.nn.functional.pad(mask, (0, kv.shape[2] - seq_len), value=0.0)
+            allowed = visible_keys(seq_len, self.sliding_window, layout, hidden_states.device)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+            mask = mask.expand(batch, 1, seq_len, seq_len)
+            if compressed_visible is not None:
+                compressed_bias = torch.zeros(compressed_visible.shape, dtype=q.dtype, device=q.device)
+                compressed_bias = compressed_bias.masked_fill(~compressed_visible, float("-inf"))
+                mask = torch.cat([mask, compressed_bias.unsqueeze(1)], dim=-1)
             out = eager_sink_attention(q.transpose(1, 2), kv, mask, self.sinks, self.scaling)
         out = apply_rotary(out, cos, -sin, unsqueeze_dim=2)                               # [B, S, h, D]
         grouped = self.linear_o_down_proj(out.reshape(batch, seq_len, self.linear_o_down_proj.local_groups, -1))

@@ -17,56 +17,115 @@ Only the stateless full-sequence form (training, prefill, parity) is implemented
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
 from modelzoo.fused import fused
+from modelzoo.sequences import TokenLayout, plain_layout
 
 
-def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, head_dim: int,
-                 overlap: bool, kv_norm: RMSNorm, rotary: RotaryTable) -> torch.Tensor:
-    """[B, S, (1|2)*D] projections -> [B, S // ratio, D] compressed entries (normed, RoPE'd)."""
-    batch, n_windows = kv.shape[0], kv.shape[1] // ratio
-    if n_windows == 0:
+@dataclasses.dataclass(eq=False)
+class CompressedWindows:
+    """The complete windows of `ratio` tokens of every sequence in a batch, one compressed entry each.
+
+    A sequence of n tokens has n // ratio windows, at its positions [w * ratio, (w + 1) * ratio); a last partial
+    window makes no entry (a query only ever sees complete windows). In a packed row the entries of its
+    sequences follow each other in row order, so no entry mixes two sequences.
+
+    first_token [B, E]: the row index of each window's first token; number [B, E]: w, its window within its
+    sequence; segment [B, E]: its sequence (-2 for the unused slots of a row with fewer entries than another).
+    """
+
+    ratio: int
+    first_token: torch.Tensor
+    number: torch.Tensor
+    segment: torch.Tensor
+    plain: bool
+
+    @classmethod
+    def of(cls, layout: TokenLayout, ratio: int) -> CompressedWindows:
+        batch, seq = layout.shape
+        device = layout.segment_ids.device
+        if layout.plain:  # static: n // ratio windows per row, no host synchronisation
+            number = torch.arange(seq // ratio, device=device).expand(batch, -1)
+            return cls(ratio, number * ratio, number, torch.zeros_like(number), plain=True)
+        # a window starts at each position that is a multiple of ratio and whose ratio-th token is still its sequence's
+        last = F.pad(layout.positions, (0, ratio - 1), value=-1)[:, ratio - 1:]
+        starts = (layout.segment_ids >= 0) & (layout.positions % ratio == 0) & (last == layout.positions + ratio - 1)
+        counts = starts.sum(1)
+        entries = int(counts.max())
+        slot = torch.arange(entries, device=device)
+        # each row's window starts in order, then its unused slots
+        order = torch.sort(torch.where(starts, torch.arange(seq, device=device), seq), dim=1, stable=True).values
+        first_token = order[:, :entries].clamp(max=max(seq - 1, 0))
+        used = slot[None, :] < counts[:, None]
+        number = torch.where(used, layout.positions.gather(1, first_token) // ratio, 0)
+        segment = torch.where(used, layout.segment_ids.gather(1, first_token), -2)
+        return cls(ratio, first_token, number, segment, plain=False)
+
+    @property
+    def count(self) -> int:
+        return self.first_token.shape[1]
+
+    def chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, width] -> each window's tokens [B, E, ratio, width] (a view of x for plain rows)."""
+        batch, entries = self.first_token.shape
+        if self.plain:
+            return x[:, : entries * self.ratio].view(batch, entries, self.ratio, -1)
+        tokens = self.first_token[:, :, None] + torch.arange(self.ratio, device=x.device)
+        return x[torch.arange(batch, device=x.device)[:, None, None], tokens.clamp(max=x.shape[1] - 1)]
+
+    def per_sequence(self, layout: TokenLayout) -> list[tuple[int, int]]:
+        """(first entry, entries) of each of `layout.sequences`: a sequence of n tokens has n // ratio entries, and
+        the entries of a row follow its sequences in order."""
+        spans, next_entry = [], {}
+        for row, _, length in layout.sequences:
+            first = next_entry.get(row, 0)
+            spans.append((first, length // self.ratio))
+            next_entry[row] = first + length // self.ratio
+        return spans
+
+    def visible(self, layout: TokenLayout) -> torch.Tensor:
+        """[B, S, E] bool: query t sees entry w of its own sequence once the window is complete, w < (t + 1) // ratio."""
+        complete = self.number[:, None, :] < ((layout.positions + 1) // self.ratio)[:, :, None]
+        if self.plain:
+            return complete
+        return complete & (self.segment[:, None, :] == layout.segment_ids[:, :, None])
+
+
+def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, windows: CompressedWindows,
+                 head_dim: int, overlap: bool, kv_norm: RMSNorm, rotary: RotaryTable) -> torch.Tensor:
+    """[B, S, (1|2)*D] projections -> [B, E, D] compressed entries (normed, RoPE'd at each window's first position)."""
+    batch, entries = kv.shape[0], windows.count
+    if entries == 0:
         return kv.new_zeros((batch, 0, head_dim))
-    compressed = kv_norm(gated_window_sum(kv, gate, position_bias, ratio, head_dim, overlap))
-    positions = (torch.arange(n_windows, device=compressed.device) * ratio).unsqueeze(0).expand(batch, -1)
-    cos, sin = rotary(positions, compressed.dtype)
+    compressed = kv_norm(gated_window_sum(windows.chunks(kv), windows.chunks(gate), position_bias, head_dim, overlap,
+                                          windows.number == 0))
+    cos, sin = rotary(windows.number * windows.ratio, compressed.dtype)
     return apply_rotary(compressed.unsqueeze(1), cos, sin).squeeze(1)
 
 
 @fused
-def gated_window_sum(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, head_dim: int,
-                     overlap: bool) -> torch.Tensor:
-    """Each window's kv weighted by softmax(gate + position_bias) over the window and summed: [B, S // ratio, D]."""
-    batch, n_windows = kv.shape[0], kv.shape[1] // ratio
-    usable = n_windows * ratio
-    chunk_kv, chunk_gate = kv[:, :usable], gate[:, :usable]
-    chunk_kv = chunk_kv.view(batch, n_windows, ratio, -1)
-    chunk_gate = chunk_gate.view(batch, n_windows, ratio, -1) + position_bias
+def gated_window_sum(chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, position_bias: torch.Tensor, head_dim: int,
+                     overlap: bool, first: torch.Tensor) -> torch.Tensor:
+    """Each window's kv weighted by softmax(gate + position_bias) over the window and summed: [B, E, D].
+
+    chunk_kv, chunk_gate [B, E, ratio, (1|2)*D]; `first` [B, E] marks each sequence's first window."""
+    chunk_gate = chunk_gate + position_bias
     if overlap:
-        # window w pools [Ca of window w-1 | Cb of window w]; window 0's Ca half is zero kv, -inf gate
-        new_kv = chunk_kv.new_zeros((batch, n_windows, 2 * ratio, head_dim))
-        new_gate = chunk_gate.new_full((batch, n_windows, 2 * ratio, head_dim), float("-inf"))
-        new_kv[:, :, ratio:] = chunk_kv[..., head_dim:]
-        new_gate[:, :, ratio:] = chunk_gate[..., head_dim:]
-        if n_windows > 1:
-            new_kv[:, 1:, :ratio] = chunk_kv[:, :-1, :, :head_dim]
-            new_gate[:, 1:, :ratio] = chunk_gate[:, :-1, :, :head_dim]
-        chunk_kv, chunk_gate = new_kv, new_gate
+        # window w pools [Ca of window w-1 | Cb of window w]; a sequence's first window has zero kv, -inf gate there
+        no_previous = first[:, :, None, None]
+        previous_kv = F.pad(chunk_kv[:, :-1, :, :head_dim], (0, 0, 0, 0, 1, 0)).masked_fill(no_previous, 0.0)
+        previous_gate = F.pad(chunk_gate[:, :-1, :, :head_dim], (0, 0, 0, 0, 1, 0)).masked_fill(no_previous,
+                                                                                                 float("-inf"))
+        chunk_kv = torch.cat([previous_kv, chunk_kv[..., head_dim:]], dim=2)
+        chunk_gate = torch.cat([previous_gate, chunk_gate[..., head_dim:]], dim=2)
     return (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
-
-
-def causal_block_bias(compressed_kv: torch.Tensor, position_ids: torch.Tensor, ratio: int) -> torch.Tensor:
-    """[B, 1, S, T] additive bias: query t sees entry w only once its window is complete, w < (t+1)//m."""
-    batch, _, compressed_len, _ = compressed_kv.shape
-    seq_len = position_ids.shape[1]
-    entry = torch.arange(compressed_len, device=compressed_kv.device)
-    threshold = (position_ids + 1) // ratio
-    bias = compressed_kv.new_zeros((batch, 1, seq_len, compressed_len))
-    return bias.masked_fill(entry.view(1, 1, 1, -1) >= threshold.unsqueeze(1).unsqueeze(-1), float("-inf"))
 
 
 class _Compressor(nn.Module):
@@ -82,9 +141,9 @@ class _Compressor(nn.Module):
         self.kv_norm = RMSNorm(head_dim, args.rms_norm_eps)
         self.rotary = RotaryTable(*args.rope_table("compress"))
 
-    def compress(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compress(self, hidden_states: torch.Tensor, windows: CompressedWindows) -> torch.Tensor:
         return pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
-                            self.ratio, self.head_dim, self.overlap, self.kv_norm, self.rotary)
+                            windows, self.head_dim, self.overlap, self.kv_norm, self.rotary)
 
 
 class HCACompressor(_Compressor):
@@ -95,11 +154,11 @@ class HCACompressor(_Compressor):
     def __init__(self, config, args: DeepseekV4Args):
         super().__init__(config, args, args.compress_rates[HCA], args.head_dim)
 
-    def forward(self, hidden_states, q_residual, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
-        compressed_kv = self.compress(hidden_states).unsqueeze(1)       # [B, 1, T, D]
-        if position_ids.shape[1] == 1 or compressed_kv.shape[2] == 0:
-            return compressed_kv, None
-        return compressed_kv, causal_block_bias(compressed_kv, position_ids, self.ratio)
+    def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
+        """-> compressed entries [B, 1, E, D] and which of them each query sees [B, S, E] (layout None: plain rows)."""
+        layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
+        windows = CompressedWindows.of(layout, self.ratio)
+        return self.compress(hidden_states, windows).unsqueeze(1), windows.visible(layout)
 
 
 class CSACompressor(_Compressor):
@@ -113,16 +172,17 @@ class CSACompressor(_Compressor):
         super().__init__(config, args, args.compress_rates[CSA], args.head_dim)
         self.indexer = Indexer(config, args)
 
-    def forward(self, hidden_states, q_residual, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
+        """-> compressed entries [B, 1, E, D] and the indexer's picks per query as a mask [B, S, E]
+        (layout None: plain rows)."""
+        layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
+        windows = CompressedWindows.of(layout, self.ratio)
+        compressed_kv = self.compress(hidden_states, windows).unsqueeze(1)       # [B, 1, E, D]
+        top_k = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
         batch, seq_len, _ = hidden_states.shape
-        compressed_kv = self.compress(hidden_states).unsqueeze(1)       # [B, 1, T, D]
-        top_k = self.indexer(hidden_states, q_residual, position_ids)  # [B, S, k], -1 = not visible
-        compressed_len = compressed_kv.shape[2]
-        valid = top_k >= 0
-        safe = torch.where(valid, top_k, torch.full_like(top_k, compressed_len))
-        bias = compressed_kv.new_full((batch, 1, seq_len, compressed_len + 1), float("-inf"))
-        bias.scatter_(-1, safe.unsqueeze(1), 0.0)
-        return compressed_kv, bias[..., :compressed_len]
+        picked = torch.zeros(batch, seq_len, windows.count + 1, dtype=torch.bool, device=hidden_states.device)
+        picked.scatter_(-1, torch.where(top_k >= 0, top_k, windows.count), True)
+        return compressed_kv, picked[..., : windows.count]
 
 
 COMPRESSORS = {CSA: CSACompressor, HCA: HCACompressor}

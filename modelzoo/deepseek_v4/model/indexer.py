@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
-from modelzoo.deepseek_v4.model.compressor import pool_windows
+from modelzoo.deepseek_v4.model.compressor import CompressedWindows, pool_windows
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
     RMSNorm,
@@ -31,6 +31,7 @@ from modelzoo.deepseek_v4.model.layers import (
     matmul_fp32,
 )
 from modelzoo.fused import fused
+from modelzoo.sequences import TokenLayout, plain_layout
 
 
 def index_scores(q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,
@@ -65,26 +66,43 @@ class Indexer(Decider):
         self.linear_weights = ReplicatedLinear(args.hidden_size, self.num_heads, config)
         self.rotary = RotaryTable(*args.rope_table("compress"))
 
-    def scores(self, hidden_states: torch.Tensor, q_residual: torch.Tensor, position_ids: torch.Tensor):
-        """Index scores [B, S, T] (before the causal mask)."""
+    @torch.no_grad()
+    def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None,
+                windows: CompressedWindows | None = None) -> torch.Tensor:
+        """The top-k entries each query sees [B, S, k] (k = min(index_topk, E)); -1 where fewer are visible.
+
+        `windows` are the CSA compressor's (the indexer pools the same windows with its own projections);
+        layout None: plain rows. In packed and padded batches each sequence's queries score its own entries,
+        as that sequence alone would: the same products, and the same top-k call on the same scores (a top-k
+        over all entries of a packed row can break exact ties, e.g. entries whose ReLU scores are all 0,
+        differently)."""
         batch, seq_len, _ = hidden_states.shape
+        layout = layout or plain_layout(batch, seq_len, hidden_states.device)
+        windows = windows or CompressedWindows.of(layout, self.ratio)
         compressed = pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
-                                  self.ratio, self.head_dim, True, self.kv_norm, self.rotary)   # [B, T, d]
+                                  windows, self.head_dim, True, self.kv_norm, self.rotary)           # [B, E, d]
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim)
         q = apply_rotary(q, cos, sin, unsqueeze_dim=2)                                            # [B, S, h, d]
-        return index_scores(q, compressed, self.linear_weights(hidden_states), self.softmax_scale,
-                            self.weights_scaling)
+        head_weights = self.linear_weights(hidden_states)                                         # [B, S, h]
+        if layout.plain:
+            return self.decide(self.top_k(q, compressed, head_weights, layout.positions))
+        picks = torch.full((batch, seq_len, min(self.topk, windows.count)), -1, dtype=torch.long,
+                           device=hidden_states.device)
+        for (row, start, length), (first_entry, entries) in zip(layout.sequences, windows.per_sequence(layout)):
+            tokens, own = slice(start, start + length), slice(first_entry, first_entry + entries)
+            local = self.top_k(q[row:row + 1, tokens], compressed[row:row + 1, own], head_weights[row:row + 1, tokens],
+                               layout.positions[row:row + 1, tokens])[0]
+            picks[row, tokens, : local.shape[-1]] = torch.where(local >= 0, local + first_entry, -1)
+        return self.decide(picks)
 
-    @torch.no_grad()
-    def forward(self, hidden_states, q_residual, position_ids) -> torch.Tensor:
-        index_scores = self.scores(hidden_states, q_residual, position_ids)
-        compressed_len = index_scores.shape[-1]
-        top_k = min(self.topk, compressed_len)
-        if compressed_len == 0:
-            return self.decide(index_scores.topk(top_k, dim=-1).indices)
-        threshold = (position_ids + 1) // self.ratio                                              # [B|1, S]
-        entry = torch.arange(compressed_len, device=index_scores.device)
-        index_scores = index_scores.masked_fill(entry.view(1, 1, -1) >= threshold.unsqueeze(-1), float("-inf"))
-        indices = index_scores.topk(top_k, dim=-1).indices
-        return self.decide(torch.where(indices >= threshold.unsqueeze(-1), torch.full_like(indices, -1), indices))
+    def top_k(self, q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+        """Plain rows: the top min(index_topk, E) of the complete entries for each query, -1 past the visible ones."""
+        scores = index_scores(q, compressed, head_weights, self.softmax_scale, self.weights_scaling)  # [B, S, E]
+        entries = scores.shape[-1]
+        if entries == 0:
+            return scores.topk(0, dim=-1).indices
+        visible = torch.arange(entries, device=scores.device) < ((positions + 1) // self.ratio).unsqueeze(-1)
+        indices = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
+        return torch.where(visible.gather(-1, indices), indices, -1)

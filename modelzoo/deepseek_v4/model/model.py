@@ -8,6 +8,11 @@
 Tensors are batch-first [B, S, ...] throughout, like transformers, so that the parity path runs
 the same ops in the same order. Module names follow Megatron's (embedding / decoder / output_layer,
 linear_q_down_proj, linear_proj, pre_mlp_layernorm, ...); bridge.py maps them to the HF names.
+
+The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). In packed rows and padded batches the
+batch's `TokenLayout` keeps each sequence to itself: its sliding window, its own compressor windows (no
+compressed entry mixes two sequences; a last partial window makes no entry, as for a sequence's end), the
+indexer's top-k among its own entries, MTP targets shifted within it; padding tokens go to no expert.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmb
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from modelzoo import gpt_call
 from modelzoo.cuda_graphs import LayerGraphs
-from modelzoo.deepseek_v4.config import DeepseekV4Args
+from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.attention import DeepseekV4Attention
 from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
+from modelzoo.sequences import TokenLayout, plain_layout
 
 
 def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
@@ -42,13 +49,17 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = DeepseekV4MoE(config, args, mlp_type)
 
-    def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
-        """streams [B, S, hc_mult, hidden] -> same shape."""
+    def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
+                layout: TokenLayout | None = None, unrouted: torch.Tensor | None = None) -> torch.Tensor:
+        """streams [B, S, hc_mult, hidden] -> same shape; position_ids: RoPE positions; layout None: plain rows;
+        unrouted [B, S] bool: tokens that go to no expert (padding)."""
+        if layout is None:
+            layout = plain_layout(streams.shape[0], streams.shape[1], streams.device)
         post, comb, collapsed, streams = self.attn_hc(streams)
-        attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids)
+        attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids, layout)
         streams = hc_residual(post, comb, attn_output, streams)
         post, comb, collapsed, streams = self.ffn_hc(streams)
-        mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids)
+        mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids, unrouted)
         return hc_residual(post, comb, mlp_output, streams)
 
 
@@ -64,11 +75,11 @@ class DeepseekV4Decoder(nn.Module):
 
 class DeepseekV4Model(MegatronModule):
     def __init__(self, config, args: DeepseekV4Args, padded_vocab_size: int, attention: str = "exact",
-                 build_mtp: bool = True):
+                 build_mtp: bool = True, mtp_loss_scale: float = 0.0):
         super().__init__(config=config)
         from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP
 
-        self.args, self.hc_mult = args, args.hc_mult
+        self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config)
@@ -159,26 +170,76 @@ class DeepseekV4Model(MegatronModule):
         logits, _ = self.output_layer(final_layernorm(hc_head(streams)))
         return logits
 
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's schedules hand each pipeline stage its input; this model is one stage, whose input is None."""
+        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+        if any(tensor is not None for tensor in tensors):
+            raise ValueError("DeepSeek-V4: pipeline stages are not supported; the model runs as one stage")
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, inference_context=None, packed_seq_params=None,
+                extra_block_kwargs=None, runtime_gather_output: bool | None = None, *, inference_params=None,
+                loss_mask: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
                 return_mtp: bool = False):
-        """input_ids [B, S] -> this rank's vocabulary shard of the logits [B, S, V_padded / tp].
+        """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [B, S, V_padded / tp],
+        or with `labels` the per-token loss [B, S] (plus, through the backward, `mtp_loss_scale` x the MTP loss,
+        as Megatron's GPTModel adds it). `padding_mask` [B, S] (True = padding) keeps tokens from the experts.
 
         With `return_mtp=True`: (logits, [logits of MTP depth k for k = 1..D]); depth k at position
-        i predicts token i + k + 1 (its last k positions have no target).
+        i predicts token i + k + 1 of its sequence (its last k positions have no target).
         """
-        if position_ids is None:
-            position_ids = self.default_position_ids(input_ids)
-        streams = self.input_streams(input_ids)
+        gpt_call.refuse_unsupported("DeepSeek-V4", inference_context, inference_params, extra_block_kwargs)
+        layout = self.token_layout(input_ids, decoder_input, position_ids, attention_mask, packed_seq_params)
+        unrouted = unrouted_tokens(layout, padding_mask)
+        if input_ids is None and any(kind == HASH_MOE for kind in self.args.mlp_layer_types):
+            raise ValueError("DeepSeek-V4: hash-routed MoE layers route by token id: pass input_ids with decoder_input")
+        position_ids = self.default_position_ids(input_ids) if layout.plain else layout.rope_positions
+        if decoder_input is not None:  # [s, b, hidden], Megatron's layout
+            embeddings = decoder_input.transpose(0, 1)
+            streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+        else:
+            streams = self.input_streams(input_ids)
         graphs = self.layer_graphs
-        if graphs is not None and graphs.matches(streams, position_ids, input_ids) and not deciding(self):
+        if layout.plain and graphs is not None and graphs.matches(streams, position_ids, input_ids) \
+                and not deciding(self):
             streams = graphs(streams, position_ids, input_ids)
         else:
             for layer in self.decoder.layers:
-                streams = layer(streams, position_ids, input_ids)
+                streams = layer(streams, position_ids, input_ids, layout, unrouted)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
-        if not return_mtp:
-            return logits
-        if self.mtp is None:
-            raise ValueError("this DeepSeek-V4 model was built without MTP layers (num_nextn_predict_layers=0 "
-                             "or build_mtp=False)")
-        return logits, self.mtp(self, streams, input_ids, position_ids)
+        if return_mtp or (labels is not None and self.mtp_loss_scale):
+            if self.mtp is None:
+                raise ValueError("this DeepSeek-V4 model was built without MTP layers (num_nextn_predict_layers=0 "
+                                 "or build_mtp=False)")
+            mtp_logits = self.mtp(self, streams, input_ids, position_ids, layout, unrouted)
+        output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
+        if labels is not None and self.mtp_loss_scale:
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+            from modelzoo.deepseek_v4.model.mtp import mtp_loss
+
+            output = MTPLossAutoScaler.apply(output, self.mtp_loss_scale * mtp_loss(
+                mtp_logits, input_ids, self.args.vocab_size, layout, loss_mask))
+        return (output, mtp_logits) if return_mtp else output
+
+    def token_layout(self, input_ids, decoder_input, position_ids, attention_mask, packed_seq_params) -> TokenLayout:
+        """The batch's layout; a general attention mask cannot say where DeepSeek-V4's compressor windows start."""
+        layout = gpt_call.input_layout("DeepSeek-V4", input_ids, decoder_input, position_ids, attention_mask,
+                                       packed_seq_params, self.args.max_position_embeddings)
+        if not layout.plain and not layout.contiguous():
+            raise ValueError("DeepSeek-V4: compressed attention pools windows of each sequence's consecutive tokens; "
+                             "this attention_mask is not a padding mask of one run of tokens per row: pass a "
+                             "[batch, 1, 1, seq] padding mask (left or right padding) or packed_seq_params")
+        return layout
+
+
+def unrouted_tokens(layout: TokenLayout, padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, S] bool: the tokens no expert sees, the layout's padding and GPTModel's `padding_mask` (True = padding);
+    None when every token is routed."""
+    if padding_mask is not None and (padding_mask.shape != layout.shape or padding_mask.dtype != torch.bool):
+        raise ValueError(f"padding_mask must be a boolean [batch, seq] = {list(layout.shape)} tensor "
+                         f"(True = padding), got {padding_mask.dtype} {list(padding_mask.shape)}")
+    if layout.plain:
+        return padding_mask
+    return layout.padding if padding_mask is None else layout.padding | padding_mask.to(layout.padding.device)

@@ -56,8 +56,11 @@ class Router(Decider):
         else:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None):
-        """-> (logits [N, E], weights [N, k], expert ids [N, k]) for the N = B*S tokens."""
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
+                padding: torch.Tensor | None = None):
+        """-> (logits [N, E], weights [N, k], expert ids [N, k]) for the N = B*S tokens.
+
+        `padding` [B, S] bool marks tokens of no sequence: routed to no expert (id -1, weight 0)."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = F.linear(flat, self.weight)
         scores = self.score_fn(logits)
@@ -68,7 +71,11 @@ class Router(Decider):
         else:
             indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
         indices = self.decide(indices)
-        weights = scores.gather(1, indices)
+        if padding is not None:
+            indices = indices.masked_fill(padding.reshape(-1, 1), -1)
+        weights = scores.gather(1, indices.clamp(min=0))
+        if padding is not None:
+            weights = weights.masked_fill(padding.reshape(-1, 1), 0.0)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, indices
 
@@ -354,8 +361,9 @@ class DeepseekV4MoE(nn.Module):
         self.experts = RoutedExperts(config, args)
         self.shared_experts = SharedExpert(config, args)
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
+                padding: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, hidden = hidden_states.shape
-        _, weights, indices = self.router(hidden_states, input_ids)
+        _, weights, indices = self.router(hidden_states, input_ids, padding)
         routed = self.experts(hidden_states.view(-1, hidden), indices, weights).view(batch, seq_len, hidden)
         return routed + self.shared_experts(hidden_states)

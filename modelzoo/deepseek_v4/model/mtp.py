@@ -19,15 +19,26 @@ from torch import nn
 from modelzoo.deepseek_v4.config import DeepseekV4Args
 from modelzoo.deepseek_v4.model.hyper_connection import HyperHead
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
-from modelzoo.logprobs import next_token_logprobs
+from modelzoo.logprobs import vocab_parallel_logprobs
+from modelzoo.sequences import TokenLayout, plain_layout
+
+
+def shifted_in_sequences(input_ids: torch.Tensor, layout: TokenLayout, k: int, fill: int = 0):
+    """(t[i + k] of the same sequence at position i, else `fill`; whether it exists) [B, S] each."""
+    seq = input_ids.shape[1]
+    shifted = torch.full_like(input_ids, fill)
+    exists = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    if k < seq:
+        ahead = (layout.segment_ids[:, k:] == layout.segment_ids[:, :-k or None]) & (layout.segment_ids[:, k:] >= 0)
+        ahead &= layout.positions[:, k:] == layout.positions[:, :-k or None] + k
+        exists[:, : seq - k] = ahead
+        shifted[:, : seq - k] = torch.where(ahead, input_ids[:, k:], fill)
+    return shifted, exists
 
 
 def shift_left(input_ids: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
-    """t[i + k] at position i; the last k positions get `fill`."""
-    shifted = torch.full_like(input_ids, fill)
-    if k < input_ids.shape[1]:
-        shifted[:, : input_ids.shape[1] - k] = input_ids[:, k:]
-    return shifted
+    """t[i + k] at position i of plain rows; the last k positions get `fill`."""
+    return shifted_in_sequences(input_ids, plain_layout(*input_ids.shape, input_ids.device), k, fill)[0]
 
 
 class DeepseekV4MTPLayer(nn.Module):
@@ -44,9 +55,9 @@ class DeepseekV4MTPLayer(nn.Module):
         self.hc_head = HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps, config.init_method_std)
         self.final_layernorm = RMSNorm(hidden, args.rms_norm_eps)
 
-    def forward(self, streams, embeddings, position_ids, input_ids):
+    def forward(self, streams, embeddings, position_ids, input_ids, layout, unrouted):
         x = self.e_proj(self.enorm(embeddings)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
-        return self.block(x, position_ids, input_ids)
+        return self.block(x, position_ids, input_ids, layout, unrouted)
 
 
 class DeepseekV4MTP(nn.Module):
@@ -54,22 +65,37 @@ class DeepseekV4MTP(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(args.num_mtp_layers))
 
-    def forward(self, model, streams, input_ids, position_ids) -> list[torch.Tensor]:
+    def forward(self, model, streams, input_ids, position_ids, layout: TokenLayout,
+                unrouted: torch.Tensor | None = None) -> list[torch.Tensor]:
         all_logits = []
         for k, layer in enumerate(self.layers, start=1):
-            shifted = shift_left(input_ids, k)
-            streams = layer(streams, model.embed(shifted), position_ids, shifted)
+            shifted, _ = shifted_in_sequences(input_ids, layout, k)
+            streams = layer(streams, model.embed(shifted), position_ids, shifted, layout, unrouted)
             all_logits.append(model.logits(streams, layer.hc_head, layer.final_layernorm))
         return all_logits
 
 
-def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, shift: int, vocab_size: int) -> torch.Tensor:
-    """Per-token CE [B, S - shift] of vocab-parallel `logits[:, i]` against `input_ids[:, i + shift]`."""
-    return -next_token_logprobs(logits, input_ids, vocab_size, shift)
+def shifted_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, shift: int, vocab_size: int,
+                          layout: TokenLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token CE [B, S] of vocab-parallel `logits[:, i]` against t[i + shift] of the same sequence, and
+    where that target exists [B, S])."""
+    layout = layout if layout is not None else plain_layout(*input_ids.shape, input_ids.device)
+    targets, exists = shifted_in_sequences(input_ids, layout, shift)
+    return -vocab_parallel_logprobs(logits, targets, vocab_size), exists
 
 
-def mtp_loss(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean over depths k of the mean CE of depth k against t[i + k + 1] on its valid positions."""
-    losses = [shifted_cross_entropy(logits, input_ids, k + 1, vocab_size).mean()
-              for k, logits in enumerate(mtp_logits, start=1) if input_ids.shape[1] > k + 1]
+def mtp_loss(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, vocab_size: int,
+             layout: TokenLayout | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over depths k of the mean CE of depth k against t[i + k + 1] on the positions that have one.
+
+    `loss_mask` [B, S] (GPTModel's: weight of the main loss at i, whose target is t[i + 1]) weighs depth k's
+    position i by loss_mask[i + k], the weight of the same target in the main loss, as Megatron does."""
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        per_token, exists = shifted_cross_entropy(logits, input_ids, k + 1, vocab_size, layout)
+        weights = exists.float()
+        if loss_mask is not None:
+            weights = weights * torch.nn.functional.pad(loss_mask.float()[:, k:], (0, k))
+        if weights.sum() > 0:
+            losses.append((per_token * weights).sum() / weights.sum())
     return torch.stack(losses).mean() if losses else mtp_logits[0].new_zeros(())
