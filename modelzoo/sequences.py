@@ -7,7 +7,8 @@ RL and SFT trainers on Megatron call a model as Megatron-Core's `GPTModel.forwar
 with one of three batch forms:
 - plain rows: `input_ids` [b, s], each row one whole sequence;
 - padded rows: `attention_mask` in Megatron's convention, a boolean tensor broadcastable to [b, 1, s, s] with
-  True where attention is masked out: [b, 1, 1, s] marks padding keys (SkyRL's form), [b, 1, s, s] any mask;
+  True where attention is masked out: [b, 1, 1, s] marks padding keys (SkyRL's form), [b, 1, s, s] any mask
+  (one that is causal over each row's real tokens is read as their padding mask; others as given);
   `position_ids` [b, s] give each token's RoPE position (left padding needs them);
 - packed rows (THD): `input_ids` [1, T] holding several sequences back to back, described by
   `PackedSeqParams(qkv_format="thd", cu_seqlens_q, cu_seqlens_q_padded, ...)`: sequence i's real tokens
@@ -169,9 +170,14 @@ def _masked_layout(attention_mask: Tensor, batch: int, seq: int, device) -> Toke
         longest = int(real.sum(1).max()) if seq else 0
         return TokenLayout(segment_ids, positions, positions, None, plain=bool(real.all()), longest=longest,
                            rope_length=max(longest, 1))
-    # a general mask: a token is real when it may attend to itself; positions are row indices
+    # a token is real when it may attend to itself
     real = ~mask[:, 0].diagonal(dim1=1, dim2=2)
-    positions = torch.arange(seq, device=device).expand(batch, -1)
+    index = torch.arange(seq, device=device)
+    padding_form = ~((index[None, :] <= index[:, None]) & real[:, None, :])             # [b, s, s]
+    if bool((mask[:, 0] == padding_form)[real].all()):  # causal over the real tokens: a padding mask
+        return _masked_layout(~real.view(batch, 1, 1, seq), batch, seq, device)
+    # a general mask is kept as given; positions are row indices
+    positions = index.expand(batch, -1)
     return TokenLayout(torch.where(real, 0, -1), positions, positions, mask, plain=False, longest=seq,
                        rope_length=seq)
 
