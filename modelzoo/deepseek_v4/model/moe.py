@@ -41,7 +41,15 @@ SCORE_FUNCTIONS = {
 
 
 class Router(Decider):
-    """Learned top-k router with a correction bias, or hash router reading `tid2eid[input_ids]`."""
+    """Learned top-k router with a correction bias, or hash router reading `tid2eid[input_ids]`.
+
+    Rollout routing replay, in the trainers' form: with `moe_enable_routing_replay=True` in the config, each
+    router (decoder layers in order, then MTP) registers a Megatron-Core `RouterReplay`, and Megatron's API
+    records or replays the expert ids of every token, as SkyRL and miles drive it for Megatron's own MoE:
+    `RouterReplay.set_replay_data([ids of layer 0 [tokens, k], ...])` with the ids an inference engine chose,
+    then `RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)`. Tokens are in
+    Megatron's order (sequence-major for [s, b]; a packed row's tokens as they are). Hash layers replay too.
+    """
 
     def __init__(self, config, args: DeepseekV4Args, hash_routed: bool):
         super().__init__()
@@ -55,6 +63,11 @@ class Router(Decider):
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        self.router_replay = None
+        if config.moe_enable_routing_replay:
+            from megatron.core.transformer.moe.router_replay import RouterReplay
+
+            self.router_replay = RouterReplay()
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
                 padding: torch.Tensor | None = None):
@@ -64,20 +77,43 @@ class Router(Decider):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = F.linear(flat, self.weight)
         scores = self.score_fn(logits)
-        if self.hash_routed:
-            if input_ids is None:
-                raise ValueError("DeepSeek-V4 hash-routed MoE layers need the input_ids (tid2eid[input_ids])")
-            indices = self.tid2eid[input_ids.reshape(-1)].long()
+        if self.router_replay is None:
+            indices = self.choose(scores, input_ids)
         else:
-            indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
-        indices = self.decide(indices)
+            indices = self.replayable_choice(scores, input_ids, hidden_states.shape[:2])
         if padding is not None:
             indices = indices.masked_fill(padding.reshape(-1, 1), -1)
+        indices = self.decide(indices)
         weights = scores.gather(1, indices.clamp(min=0))
         if padding is not None:
             weights = weights.masked_fill(padding.reshape(-1, 1), 0.0)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, indices
+
+    def choose(self, scores: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The experts of each token [N, k]: the frozen table's for hash layers, else the top-k of the biased scores."""
+        if self.hash_routed:
+            if input_ids is None:
+                raise ValueError("DeepSeek-V4 hash-routed MoE layers need the input_ids (tid2eid[input_ids])")
+            return self.tid2eid[input_ids.reshape(-1)].long()
+        return torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
+
+    def replayable_choice(self, scores: torch.Tensor, input_ids: torch.Tensor | None, batch_shape) -> torch.Tensor:
+        """`choose` through Megatron's RouterReplay, whose tokens are sequence-major ([s, b]) where ours are [b, s]."""
+        batch, seq = batch_shape
+
+        def megatron_order(ids):
+            return ids.view(batch, seq, -1).transpose(0, 1).reshape(batch * seq, -1)
+
+        def choose_in_megatron_order(megatron_scores, top_k, num_groups=None, group_topk=None):
+            return None, megatron_order(self.choose(scores, input_ids))
+
+        _, indices = self.router_replay.get_replay_topk(megatron_order(scores), self.top_k,
+                                                        default_compute_topk=choose_in_megatron_order)
+        if indices.shape != (batch * seq, self.top_k):
+            raise ValueError(f"routing replay: {tuple(indices.shape)} expert ids for a layer of {batch * seq} tokens "
+                             f"and top-{self.top_k} routing (want [{batch * seq}, {self.top_k}])")
+        return indices.long().view(seq, batch, -1).transpose(0, 1).reshape(batch * seq, -1)
 
 
 # --- expert-parallel collectives (CPU/gloo-safe: gloo has no reduce-scatter) ----------------------
