@@ -12,7 +12,9 @@ LoopCoder reference), full-sequence forward in fp32.
   (GRADIENT_TOLERANCE = 1e-4 relative to the largest entry of each tensor, max-norm).
 - Left- and right-padded batches ([b, 1, 1, s] padding masks with position ids, SkyRL's form, and the full
   [b, 1, s, s] mask of the same padding): the real tokens' log-probs equal the unpadded run (1e-5).
-At TP 1 and TP 2 (two gloo processes), and EP 2 for DeepSeek-V4, where the two ranks hold different rows.
+At TP 1 (exact and fast attention: on the CPU, SDPA with the layout's mask for the dense models and DeepSeek-V4's
+blocked kernel per sequence) and TP 2 (two gloo processes), and EP 2 for DeepSeek-V4, where the two ranks hold
+different rows.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ def _grads_by_name(provider, model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _rank(rank: int, folder, tp: int, ep: int, all_sequences):
+def _rank(rank: int, folder, tp: int, ep: int, attention: str, all_sequences):
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(folder)
+        provider = build_provider(folder, attention=attention)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
@@ -109,11 +111,10 @@ def architecture(request):
     with torch.no_grad():
         reference = [logprobs_from_logits(model(torch.tensor([s]), use_cache=False).logits, torch.tensor([s]))[0]
                      for s in seqs]
-    layouts = [(1, 1), (2, 1)] + ([(1, 2)] if request.param == "deepseek_v4" else [])
-    # one process pair for the two-rank layouts: start-up and imports are most of the cost
-    results = {(1, 1): runtime.run(_rank, 1, folder, 1, 1, seqs)}
-    for tp, ep in layouts[1:]:
-        results[(tp, ep)] = runtime.spawn(_rank, tp * ep, folder, tp, ep, seqs)
+    layouts = [(1, 1, "fast"), (2, 1, "exact")] + ([(1, 2, "exact")] if request.param == "deepseek_v4" else [])
+    results = {(1, 1, "exact"): runtime.run(_rank, 1, folder, 1, 1, "exact", seqs)}
+    for tp, ep, attention in layouts:
+        results[(tp, ep, attention)] = runtime.run(_rank, tp * ep, folder, tp, ep, attention, seqs)
     return request.param, seqs, reference, results
 
 
@@ -124,10 +125,10 @@ def _max_diff(a, b) -> float:
 
 def _rank_results(architecture):
     _, seqs, reference, results = architecture
-    for (tp, ep), ranks in results.items():
+    for (tp, ep, attention), ranks in results.items():
         for result in ranks:
             order = reference if result["order"] == 0 else reference[::-1]
-            yield f"tp{tp}-ep{ep}", result, order
+            yield f"tp{tp}-ep{ep}-{attention}", result, order
 
 
 def test_every_packed_sequence_equals_its_own_hf_run(architecture):

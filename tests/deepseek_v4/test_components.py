@@ -19,6 +19,7 @@ from dsv4_helpers import hf_layer_inputs, hf_model, max_diff, provider_for, rand
 
 from modelzoo import runtime
 from modelzoo.deepseek_v4.config import rope_inv_freq
+from modelzoo.sequences import plain_layout
 
 COMPONENT_TOLERANCE = 1e-5
 SLIDING, CSA, HCA, CSA_MOE = 0, 1, 2, 3  # the tiny model's layers: attention type (+ hash MoE on 0, 1)
@@ -84,7 +85,8 @@ def test_compressor(models, layer):
     position_ids = torch.arange(64).unsqueeze(0)
     q_residual = _q_residual(hf, layer, x)
     ref_kv, ref_bias = hf.model.layers[layer].self_attn.compressor(x, q_residual, position_ids, None, layer)
-    kv, visible = mg.decoder.layers[layer].self_attention.compressor(x, q_residual, position_ids)
+    kv, visibility = mg.decoder.layers[layer].self_attention.compressor(x, q_residual, position_ids)
+    visible = visibility.dense(plain_layout(2, 64, "cpu"))
     assert kv.shape == (2, 1, 16 if layer == CSA else 4, 32)
     assert max_diff(kv, ref_kv) <= COMPONENT_TOLERANCE
     bias = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).unsqueeze(1)   # transformers' additive form

@@ -11,7 +11,8 @@
 `attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
 rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores.
 `attention="fast"` is `window_sink_attention` (model/window_attention.py): each block of `window` queries
-against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU.
+against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU; in packed
+and padded batches it runs each sequence against its own keys and entries.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from modelzoo.attention import visible_keys
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
-from modelzoo.deepseek_v4.model.compressor import COMPRESSORS
+from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
@@ -145,6 +146,26 @@ class DeepseekV4Attention(nn.Module):
         self.rotary = RotaryTable(*args.rope_table(args.rope_kind(layer_type)))
         self.compressor = None if layer_type == SLIDING else COMPRESSORS[layer_type](config, args)
 
+    def attend_each_sequence(self, q: torch.Tensor, kv: torch.Tensor, compressed: CompressedVisibility | None,
+                             layout: TokenLayout) -> torch.Tensor:
+        """The fast path on a packed or padded batch: each sequence's queries against its own window keys and its
+        own compressed entries, as it would run alone (work and memory in each sequence's own length, not the
+        row's); padding tokens get zeros. q [B, S, h, D], kv [B, S + E, D] -> [B, S, h, D]."""
+        seq_len = q.shape[1]
+        spans = compressed.windows.per_sequence(layout) if compressed is not None else None
+        out = torch.zeros_like(q)
+        for number, (row, start, length) in enumerate(layout.sequences):
+            tokens = slice(start, start + length)
+            keys, visible = kv[row:row + 1, tokens], None
+            if compressed is not None:
+                first_entry, entries = spans[number]
+                own = kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]
+                keys, visible = torch.cat([keys, own], dim=1), compressed.of_sequence(row, start, length, first_entry,
+                                                                                      entries)
+            out[row, tokens] = window_sink_attention(q[row:row + 1, tokens], keys, self.sinks, self.scaling,
+                                                     self.sliding_window, visible)[0]
+        return out
+
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                 layout: TokenLayout | None = None) -> torch.Tensor:
         """hidden_states [B, S, hidden] (replicated over TP) -> [B, S, hidden] (all-reduced).
@@ -164,24 +185,25 @@ class DeepseekV4Attention(nn.Module):
         kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, 1, seq_len, self.head_dim)
         kv = apply_rotary(kv, cos, sin)
 
-        compressed_visible = None                                                        # [B, S, E]
+        compressed = None
         if self.compressor is not None:
-            compressed_kv, compressed_visible = self.compressor(hidden_states, q_residual, position_ids, layout)
+            compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)
             kv = torch.cat([kv, compressed_kv], dim=2)
         # K = V is computed on every rank but read only by this rank's heads: sum its gradients
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
 
-        if self.attention == "fast":
-            segments = None if layout.plain else layout.segment_ids
-            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, compressed_visible,
-                                        segments)
+        if self.attention == "fast" and layout.plain:
+            visible = None if compressed is None else compressed.dense(layout)
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
+        elif self.attention == "fast":
+            out = self.attend_each_sequence(q, kv[:, 0], compressed, layout)
         else:
             allowed = visible_keys(seq_len, self.sliding_window, layout, hidden_states.device)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
             mask = mask.expand(batch, 1, seq_len, seq_len)
-            if compressed_visible is not None:
-                compressed_bias = torch.zeros(compressed_visible.shape, dtype=q.dtype, device=q.device)
-                compressed_bias = compressed_bias.masked_fill(~compressed_visible, float("-inf"))
+            if compressed is not None:
+                compressed_bias = torch.zeros(compressed.dense(layout).shape, dtype=q.dtype, device=q.device)
+                compressed_bias = compressed_bias.masked_fill(~compressed.dense(layout), float("-inf"))
                 mask = torch.cat([mask, compressed_bias.unsqueeze(1)], dim=-1)
             out = eager_sink_attention(q.transpose(1, 2), kv, mask, self.sinks, self.scaling)
         out = apply_rotary(out, cos, -sin, unsqueeze_dim=2)                               # [B, S, h, D]

@@ -98,6 +98,35 @@ class CompressedWindows:
         return complete & (self.segment[:, None, :] == layout.segment_ids[:, :, None])
 
 
+@dataclasses.dataclass(eq=False)
+class CompressedVisibility:
+    """Which compressed entries each query sees: every complete window of its own sequence (HCA), or of those the
+    indexer's top-k picked (CSA: `picks` [B, S, k] entry ids, -1 for none)."""
+
+    windows: CompressedWindows
+    picks: torch.Tensor | None = None
+
+    def dense(self, layout: TokenLayout) -> torch.Tensor:
+        """[B, S, E] bool over the whole batch."""
+        if self.picks is None:
+            return self.windows.visible(layout)
+        batch, seq_len, _ = self.picks.shape
+        picked = torch.zeros(batch, seq_len, self.windows.count + 1, dtype=torch.bool, device=self.picks.device)
+        picked.scatter_(-1, torch.where(self.picks >= 0, self.picks, self.windows.count), True)
+        return picked[..., : self.windows.count]
+
+    def of_sequence(self, row: int, start: int, length: int, first_entry: int, entries: int) -> torch.Tensor:
+        """[1, length, entries] bool: one sequence's queries against its own entries (as that sequence alone)."""
+        device = self.windows.first_token.device
+        if self.picks is None:
+            positions = torch.arange(length, device=device)
+            return (torch.arange(entries, device=device) < ((positions + 1) // self.windows.ratio)[:, None])[None]
+        picks = self.picks[row, start:start + length] - first_entry                  # own entries: 0 .. entries - 1
+        picked = torch.zeros(length, entries + 1, dtype=torch.bool, device=device)
+        picked.scatter_(-1, torch.where(self.picks[row, start:start + length] >= 0, picks, entries), True)
+        return picked[None, :, :entries]
+
+
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, windows: CompressedWindows,
                  head_dim: int, overlap: bool, kv_norm: RMSNorm, rotary: RotaryTable) -> torch.Tensor:
     """[B, S, (1|2)*D] projections -> [B, E, D] compressed entries (normed, RoPE'd at each window's first position)."""
@@ -155,10 +184,10 @@ class HCACompressor(_Compressor):
         super().__init__(config, args, args.compress_rates[HCA], args.head_dim)
 
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
-        """-> compressed entries [B, 1, E, D] and which of them each query sees [B, S, E] (layout None: plain rows)."""
+        """-> compressed entries [B, 1, E, D] and which of them each query sees (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
         windows = CompressedWindows.of(layout, self.ratio)
-        return self.compress(hidden_states, windows).unsqueeze(1), windows.visible(layout)
+        return self.compress(hidden_states, windows).unsqueeze(1), CompressedVisibility(windows)
 
 
 class CSACompressor(_Compressor):
@@ -173,16 +202,12 @@ class CSACompressor(_Compressor):
         self.indexer = Indexer(config, args)
 
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
-        """-> compressed entries [B, 1, E, D] and the indexer's picks per query as a mask [B, S, E]
-        (layout None: plain rows)."""
+        """-> compressed entries [B, 1, E, D] and the indexer's picks per query (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
         windows = CompressedWindows.of(layout, self.ratio)
         compressed_kv = self.compress(hidden_states, windows).unsqueeze(1)       # [B, 1, E, D]
-        top_k = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
-        batch, seq_len, _ = hidden_states.shape
-        picked = torch.zeros(batch, seq_len, windows.count + 1, dtype=torch.bool, device=hidden_states.device)
-        picked.scatter_(-1, torch.where(top_k >= 0, top_k, windows.count), True)
-        return compressed_kv, picked[..., : windows.count]
+        picks = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
+        return compressed_kv, CompressedVisibility(windows, picks)
 
 
 COMPRESSORS = {CSA: CSACompressor, HCA: HCACompressor}

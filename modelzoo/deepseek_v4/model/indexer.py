@@ -51,6 +51,9 @@ def weighted_head_sum(scores: torch.Tensor, head_weights: torch.Tensor, softmax_
     return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
 
+SCORE_BUDGET = 2**28   # per-head index scores of one chunk of queries (1 GiB in fp32)
+
+
 class Indexer(Decider):
     def __init__(self, config, args: DeepseekV4Args):
         super().__init__()
@@ -98,11 +101,21 @@ class Indexer(Decider):
 
     def top_k(self, q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:
-        """Plain rows: the top min(index_topk, E) of the complete entries for each query, -1 past the visible ones."""
-        scores = index_scores(q, compressed, head_weights, self.softmax_scale, self.weights_scaling)  # [B, S, E]
-        entries = scores.shape[-1]
+        """Plain rows: the top min(index_topk, E) of the complete entries for each query, -1 past the visible ones.
+
+        Queries go in chunks whose per-head scores [chunk, h, E] stay under SCORE_BUDGET elements (each query's
+        top-k reads only its own scores, so the chunks change nothing)."""
+        batch, seq_len, heads, _ = q.shape
+        entries = compressed.shape[1]
         if entries == 0:
-            return scores.topk(0, dim=-1).indices
-        visible = torch.arange(entries, device=scores.device) < ((positions + 1) // self.ratio).unsqueeze(-1)
-        indices = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
-        return torch.where(visible.gather(-1, indices), indices, -1)
+            return torch.empty(batch, seq_len, 0, dtype=torch.long, device=q.device)
+        rows = max(1, SCORE_BUDGET // (batch * heads * entries))
+        picks = []
+        for start in range(0, seq_len, rows):
+            queries = slice(start, start + rows)
+            scores = index_scores(q[:, queries], compressed, head_weights[:, queries], self.softmax_scale,
+                                  self.weights_scaling)                                              # [B, s, E]
+            visible = torch.arange(entries, device=scores.device) < ((positions[:, queries] + 1) // self.ratio)[..., None]
+            indices = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
+            picks.append(torch.where(visible.gather(-1, indices), indices, -1))
+        return torch.cat(picks, dim=1)

@@ -67,11 +67,10 @@ class _Chunk:
     """Query blocks [first, last) of one call: their query rows, keys and mask.
 
     q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so
-    that block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None; segments is
-    [B, W + S] (padded like kv) or None: a key is in a query's window only within the query's sequence.
+    that block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None.
     """
 
-    def __init__(self, q, kv, compressed, compressed_visible, segments, window, first, last):
+    def __init__(self, q, kv, compressed, compressed_visible, window, first, last):
         batch, _, heads, dim = q.shape
         self.batch, self.heads, self.blocks, self.window = batch, heads, last - first, window
         self.rows_slice = slice(first * window, last * window)
@@ -80,10 +79,6 @@ class _Chunk:
         query = torch.arange(first * window, last * window, device=q.device).view(-1, window, 1)
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
         visible = (in_window(query, key, window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
-        if segments is not None:
-            key_segments = segments[:, first * window:(last + 1) * window].unfold(1, 2 * window, window)  # [B, n, 2W]
-            query_segments = segments[:, (first + 1) * window:(last + 1) * window].view(-1, self.blocks, window, 1)
-            visible = visible & (query_segments[..., None] == key_segments[:, :, None, None, :])
         if compressed is not None:
             blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
             compressed_visible = compressed_visible[:, self.rows_slice].view(-1, self.blocks, window, 1,
@@ -118,30 +113,30 @@ class _Chunk:
             compressed_grad += keys_grad[:, :, 2 * window:].sum(1)
 
 
-def _chunks(q, kv, compressed, compressed_visible, segments, window):
+def _chunks(q, kv, compressed, compressed_visible, window):
     blocks = q.shape[1] // window
     keys = 2 * window + (0 if compressed is None else compressed.shape[1])
     per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * window * q.shape[2] * keys))
     for first in range(0, blocks, per_chunk):
-        yield _Chunk(q, kv, compressed, compressed_visible, segments, window, first, min(first + per_chunk, blocks))
+        yield _Chunk(q, kv, compressed, compressed_visible, window, first, min(first + per_chunk, blocks))
 
 
 class _WindowSinkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, compressed, compressed_visible, segments, sinks, scale, window):
+    def forward(ctx, q, kv, compressed, compressed_visible, sinks, scale, window):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, segments, window):
+        for chunk in _chunks(q, kv, compressed, compressed_visible, window):
             probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
             out[:, chunk.rows_slice] = chunk.blocked(torch.bmm(probs.flatten(0, 1).flatten(1, 2), chunk.keys)).flatten(1, 2)
             lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
-        ctx.save_for_backward(q, kv, compressed, compressed_visible, segments, sinks, out, lse)
+        ctx.save_for_backward(q, kv, compressed, compressed_visible, sinks, out, lse)
         ctx.scale, ctx.window = scale, window
         return out
 
     @staticmethod
     def backward(ctx, out_grad):
-        q, kv, compressed, compressed_visible, segments, sinks, out, lse = ctx.saved_tensors
+        q, kv, compressed, compressed_visible, sinks, out, lse = ctx.saved_tensors
         scale, dtype = ctx.scale, q.dtype
         out_grad = out_grad.contiguous()
         q_grad = torch.empty_like(q)
@@ -149,7 +144,7 @@ class _WindowSinkAttention(torch.autograd.Function):
         compressed_grad = None if compressed is None else torch.zeros(
             compressed.shape, dtype=torch.float32, device=q.device)
         sinks_grad = torch.zeros_like(sinks, dtype=torch.float32)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, segments, ctx.window):
+        for chunk in _chunks(q, kv, compressed, compressed_visible, ctx.window):
             lse_chunk = chunk.per_query(lse)
             rows_grad = chunk.rows(out_grad)
             delta, sinks_grad_chunk = _output_terms(rows_grad, chunk.rows(out), lse_chunk, sinks)
@@ -161,17 +156,15 @@ class _WindowSinkAttention(torch.autograd.Function):
             keys_grad = matmul_fp32(dscores.transpose(1, 2), chunk.q_rows) + matmul_fp32(probs.transpose(1, 2), rows_grad)
             chunk.add_key_grads(kv_grad, compressed_grad, keys_grad)
         compressed_grad = None if compressed is None else compressed_grad.to(compressed.dtype)
-        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, None, sinks_grad.to(sinks.dtype), None, None
+        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None
 
 
 def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
-                          compressed_visible: torch.Tensor | None = None,
-                          segments: torch.Tensor | None = None) -> torch.Tensor:
+                          compressed_visible: torch.Tensor | None = None) -> torch.Tensor:
     """Sink attention of q [B, S, h, D] over kv [B, S + C, D] (K = V) -> [B, S, h, D].
 
-    Query t sees window keys t - window < s <= t (of its own sequence when `segments` [B, S], the sequence of
-    each token, is given) and the compressed entries c (kv row S + c) where `compressed_visible` [B or 1, S, C]
-    is True. The same result as `eager_sink_attention`.
+    Query t sees window keys t - window < s <= t and the compressed entries c (kv row S + c) where
+    `compressed_visible` [B or 1, S, C] is True. The same result as `eager_sink_attention`.
     """
     seq_len = q.shape[1]
     pad = -seq_len % window
@@ -183,9 +176,5 @@ def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor
     if pad:  # padded queries are zeros whose outputs are dropped; padded keys follow every real query
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
     window_kv = torch.nn.functional.pad(kv[:, :seq_len], (0, 0, window, pad))               # [B, W + S', D]
-    if segments is not None:  # the W rows in front are no sequence's; padded queries are their own
-        segments = torch.nn.functional.pad(segments, (window, 0), value=-2)
-        segments = torch.nn.functional.pad(segments, (0, pad), value=-3)
-    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, compressed_visible, segments, sinks, scale,
-                                     window)
+    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, compressed_visible, sinks, scale, window)
     return out[:, :seq_len]
