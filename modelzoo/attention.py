@@ -123,7 +123,7 @@ def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: 
 
 
 def document_block_mask(layout: TokenLayout, window: int | None):
-    """flex_attention block mask of a layout: causal within each sequence (and its window), padding with padding.
+    """flex_attention block mask of a layout: causal within each sequence (and its window); padding sees itself.
 
     Built from the [b, s] sequence ids and positions without a [s, s] tensor (compiled `create_block_mask`):
     blocks that straddle no sequence border are skipped or taken whole, as for one sequence.
@@ -134,6 +134,7 @@ def document_block_mask(layout: TokenLayout, window: int | None):
 
     def same_sequence(batch, head, query, key):
         allowed = (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+        allowed = allowed & ((segment_ids[batch, key] >= 0) | (query == key))
         if window is not None:
             allowed = allowed & (positions[batch, query] - positions[batch, key] < window)
         return allowed
@@ -144,7 +145,10 @@ def document_block_mask(layout: TokenLayout, window: int | None):
 
 
 def _flex_documents(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, layout: TokenLayout) -> Tensor:
-    return compiled_flex_attention()(q, k, v, block_mask=document_block_mask(layout, window), scale=scale,
+    key = ("flex block mask", window)
+    if key not in layout.derived:  # once per forward, read by every layer
+        layout.derived[key] = document_block_mask(layout, window)
+    return compiled_flex_attention()(q, k, v, block_mask=layout.derived[key], scale=scale,
                                       enable_gqa=k.shape[1] != q.shape[1])
 
 

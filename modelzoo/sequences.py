@@ -55,6 +55,8 @@ class TokenLayout:
     plain: bool
     longest: int
     rope_length: int
+    # what kernels derive from the layout once per forward and reuse in every layer (flex_attention block masks)
+    derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Travelling through Megatron's TransformerBlock as its `packed_seq_params` (the argument Megatron hands
     # to core attention untouched, also through activation recompute), the layout asks for no THD handling:
@@ -78,8 +80,8 @@ class TokenLayout:
         allowed = index[None, None, :] <= index[None, :, None]
         if self.attention_mask is not None:
             allowed = allowed & ~self.attention_mask[:, 0]
-        else:  # padding (segment -1) sees padding only: finite, and no real token reads it
-            allowed = allowed & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
+        else:  # padding sees itself only (below): finite, and no real token reads it
+            allowed = allowed & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :]) & ~self.padding[:, None, :]
         if window is not None:
             allowed = allowed & (self.positions[:, :, None] - self.positions[:, None, :] < window)
         return allowed | (torch.eye(seq, dtype=torch.bool, device=allowed.device) & ~allowed.any(-1, keepdim=True))
@@ -145,7 +147,7 @@ def _with_position_ids(layout: TokenLayout, position_ids: Tensor, batch: int, se
     smallest, largest = (int(value) for value in torch.aminmax(rope_positions))
     if smallest < 0:
         raise BatchLayoutError(f"position_ids has a negative position ({smallest})")
-    changes = dict(rope_positions=rope_positions, rope_length=largest + 1,
+    changes = dict(rope_positions=rope_positions, rope_length=largest + 1, derived={},
                    plain=layout.plain and torch.equal(rope_positions, layout.positions))
     if layout.attention_mask is not None:  # a general mask: windows are measured in the caller's positions
         changes["positions"] = rope_positions
