@@ -167,16 +167,26 @@ def cmd_logprobs(args) -> int:
     provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     dtype = DTYPES[args.dtype]
-    batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
-    if args.backend == "hf":
-        outputs = hf_outputs(args.hf_dir, batches, dtype)
+    if args.pack and args.backend == "hf":
+        raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
+                         "at a time: drop --pack or use --backend megatron")
+    if args.pack:  # one forward of all sequences packed into a row
+        [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
+                                    packed=sequences)
+        results = [logprobs.tolist() for logprobs in packed]
     else:
-        outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False, ep=args.ep)
-    results = [logprobs[0].tolist() for logprobs, _ in outputs]
+        batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
+        if args.backend == "hf":
+            outputs = hf_outputs(args.hf_dir, batches, dtype)
+        else:
+            outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
+                                       ep=args.ep)
+        results = [logprobs[0].tolist() for logprobs, _ in outputs]
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps({"logprobs": results}) + "\n")
     os.replace(partial, out)
-    _summary("logprobs", [("backend", args.backend), ("sequences", len(results)), ("output", out)])
+    _summary("logprobs", [("backend", args.backend), ("packed", "yes" if args.pack else "no"),
+                          ("sequences", len(results)), ("output", out)])
     return 0
 
 
@@ -186,24 +196,32 @@ def cmd_parity(args) -> int:
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
-    [(megatron_logprobs, megatron_logits)] = megatron_outputs(args.hf_dir, [ids], args.tp, dtype, args.attention,
-                                                              ep=args.ep)
-    [(hf_logprobs, hf_logits)] = hf_outputs(args.hf_dir, [ids], dtype)
+    # the packed case: sequences of several lengths in one THD row, each against its own HF run
+    lengths = sorted({1, 5, max(1, args.seq_len // 3), args.seq_len})
+    packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
+        args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, packed=packed)
+    alone = [torch.tensor([sequence]) for sequence in packed]
+    [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype)
+    packed_diff = max((ours - theirs[0][0]).abs().max().item() for ours, theirs in zip(megatron_packed, hf_alone)
+                      if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
         "architecture": provider.name, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
+        "packed_lengths": lengths, "max_abs_diff_logprobs_packed": packed_diff,
         "tolerance": tolerance,
     }
-    report["passed"] = report["max_abs_diff_logprobs"] <= tolerance
+    report["passed"] = max(report["max_abs_diff_logprobs"], packed_diff) <= tolerance
     if args.json:
         print(json.dumps(report))
     else:
         _summary("parity: Megatron vs Hugging Face", [(key, value) for key, value in report.items()])
     if not report["passed"]:
-        raise ParityFailed(f"max |logprob diff| {report['max_abs_diff_logprobs']:.3e} exceeds tolerance {tolerance:.1e}")
+        worst = max(report["max_abs_diff_logprobs"], packed_diff)
+        raise ParityFailed(f"max |logprob diff| {worst:.3e} exceeds tolerance {tolerance:.1e}")
     return 0
 
 
@@ -262,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
     commands.choices["logprobs"].add_argument("--out", required=True)
     commands.choices["logprobs"].add_argument("--backend", choices=("megatron", "hf"), default="megatron")
+    commands.choices["logprobs"].add_argument("--pack", action="store_true",
+                                              help="one forward of all sequences packed into a row (THD)")
     parity = commands.choices["parity"]
     parity.add_argument("--batch", type=int, default=2)
     parity.add_argument("--seq-len", type=int, default=64)

@@ -12,6 +12,7 @@ import torch
 
 from modelzoo import runtime
 from modelzoo.registry import build_provider
+from modelzoo.sequences import pack_sequences
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,7 +41,7 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
-                   attention: str, with_logits: bool):
+                   attention: str, with_logits: bool, packed: list[list[int]] | None = None):
     with runtime.parallel(tp=tp, ep=ep):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
         model = provider.provide()
@@ -53,14 +54,21 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
                 logprobs = provider.token_logprobs(model, ids).float().cpu()
                 logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
                 outputs.append((logprobs, logits))
+            if packed is not None:
+                batch = pack_sequences(packed, device=runtime.device())
+                logprobs = provider.token_logprobs(model, batch.input_ids, packed_seq_params=batch.packed_seq_params)
+                outputs.append([sequence.float().cpu() for sequence in logprobs])
         return outputs
 
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
-                     attention: str = "exact", with_logits: bool = True, ep: int = 1):
+                     attention: str = "exact", with_logits: bool = True, ep: int = 1,
+                     packed: list[list[int]] | None = None):
     """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
-    them; the model is built and loaded once for all batches.
+    them; the model is built and loaded once for all batches. With `packed` (token-id lists), one more entry:
+    each sequence's log-probs from one forward of them packed into a row (THD).
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
-    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits)[0]
+    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
+                       packed)[0]
