@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.utils import sharded_state_dict_default
@@ -181,6 +182,8 @@ class LoopCoderDecoder(MegatronModule):
 
 class LoopCoderModel(MegatronModule):
     """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
+
+    model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model
 
     def __init__(self, config, vocab_size: int, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
                  loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False):

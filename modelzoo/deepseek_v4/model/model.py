@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
@@ -74,6 +75,8 @@ class DeepseekV4Decoder(nn.Module):
 
 
 class DeepseekV4Model(MegatronModule):
+
+    model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model
     def __init__(self, config, args: DeepseekV4Args, padded_vocab_size: int, attention: str = "exact",
                  build_mtp: bool = True, mtp_loss_scale: float = 0.0):
         super().__init__(config=config)
