@@ -9,11 +9,13 @@ expert-data-parallel group). The oracle is one plain process at TP 1 without Meg
 
 - The schedule (`get_forward_backward_func()`, 3 micro-batches per rank, DDP without the distributed optimizer so
   that its grad buffer holds whole reduced gradients): forward-only gives each micro-batch's per-token loss (1e-5
-  absolute: the same fp32 math in another order moves it by ~1e-6); training leaves in the grad buffer the
-  data-parallel mean of each rank's mean over its micro-batches (the schedule divides each micro-batch's loss by
-  their number), which is what the oracle differentiates. 1e-4 relative to the largest entry, the project's
-  gradient tolerance: DeepSeek-V4's layer-0 hyper-connection scale is a sum with heavy cancellation, ~7e-5 from its
-  float64 value at TP 2 (tests/deepseek_v4/test_parallel.py).
+  absolute: the same fp32 math in another order moves it by ~1e-6). Training leaves in the grad buffer the gradient
+  of the loss over every rank's micro-batches that the oracle differentiates, for both forms of `loss_func`:
+  SkyRL's micro-batch mean (the schedule divides it by the micro-batch count, DDP averages over ranks) and
+  Megatron-Bridge's token sum with its count (`calculate_per_token_loss`: finalize_model_grads divides by the count
+  over all micro-batches and ranks). 1e-4 relative to the largest entry, the project's gradient tolerance:
+  DeepSeek-V4's layer-0 hyper-connection scale is a sum with heavy cancellation, ~7e-5 from its float64 value at
+  TP 2 (tests/deepseek_v4/test_parallel.py).
 - Two steps of DDP + the distributed optimizer (Adam, weight decay, gradient clipping active, Megatron's scheduler
   setting each group's lr and weight decay) on 4 micro-batches per step, split over the data-parallel ranks, give
   the weights of two plain AdamW steps on the mean loss of the same 4 micro-batches: 1e-6 relative (max |difference|
@@ -88,15 +90,25 @@ def per_token_loss(model, architecture: str, vocab_size: int, batch: dict) -> to
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """SkyRL's form: the micro-batch's mean over its loss tokens (the schedule divides it by the micro-batch count)."""
     loss = (output_tensor * loss_mask).sum() / loss_mask.sum()
     return loss, {"per_token_loss": output_tensor.detach()}
 
 
-def make_forward_step(architecture: str, vocab_size: int):
+def token_sum_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-Bridge's form: the sum over loss tokens and their count. With `calculate_per_token_loss`,
+    finalize_model_grads divides the gradients by the count summed over micro-batches and data-parallel ranks."""
+    return (output_tensor * loss_mask).sum(), loss_mask.sum().int(), {"per_token_loss": output_tensor.detach()}
+
+
+LOSS_FUNCS = {"micro-batch-mean": loss_func, "token-sum": token_sum_loss_func}
+
+
+def make_forward_step(architecture: str, vocab_size: int, loss=loss_func):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output_tensor = per_token_loss(model, architecture, vocab_size, batch)
-        return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+        return output_tensor, functools.partial(loss, batch["loss_mask"])
 
     return forward_step
 
@@ -176,20 +188,25 @@ def _run_schedule(ddp, forward_step, micro_batches: list[dict], forward_only: bo
 
 
 def _schedule_case(architecture: str) -> dict:
-    """Forward-only, then training, through DDP without the distributed optimizer (its grad buffer holds the
-    all-reduced gradients)."""
+    """Forward-only, then training with each form of loss, through DDP without the distributed optimizer (its grad
+    buffer holds the whole reduced gradients)."""
     from megatron.core import parallel_state
 
-    provider, model = provider_and_model(architecture)
-    ddp = _ddp(model, use_distributed_optimizer=False)
-    forward_step = make_forward_step(architecture, provider.vocab_size)
     micro_batches = schedule_micro_batches(parallel_state.get_data_parallel_rank())
-    with torch.no_grad():
-        forward_only = _run_schedule(ddp, forward_step, micro_batches, forward_only=True)
-    ddp.zero_grad_buffer()
-    _run_schedule(ddp, forward_step, micro_batches, forward_only=False)
-    grads = gradients_as_hf(provider, model, lambda param: getattr(param, "main_grad", None))  # DDP's buffer
-    return dict(forward_only=[out["per_token_loss"] for out in forward_only], grads=grads)
+    result = dict(grads={})
+    for name, loss in LOSS_FUNCS.items():
+        provider, model = provider_and_model(architecture)
+        model.config.calculate_per_token_loss = loss is token_sum_loss_func  # read by DDP's constructor
+        ddp = _ddp(model, use_distributed_optimizer=False)
+        forward_step = make_forward_step(architecture, provider.vocab_size, loss)
+        if loss is loss_func:
+            with torch.no_grad():
+                outputs = _run_schedule(ddp, forward_step, micro_batches, forward_only=True)
+            result["forward_only"] = [output["per_token_loss"] for output in outputs]
+        ddp.zero_grad_buffer()
+        _run_schedule(ddp, forward_step, micro_batches, forward_only=False)
+        result["grads"][name] = gradients_as_hf(provider, model, lambda param: getattr(param, "main_grad", None))
+    return result
 
 
 def _group_ranks(group) -> list[int]:
@@ -280,16 +297,26 @@ def _mean_loss(provider, model, architecture: str, micro_batches: list[dict]) ->
 
 @functools.cache
 def plain_schedule(architecture: str, data_parallel_size: int) -> dict:
-    """Each rank's per-token losses, and the gradient of the mean over ranks of each rank's mean micro-batch loss."""
+    """Each rank's per-token losses, and the gradients of the two losses over all ranks' micro-batches: the mean over
+    ranks of each rank's mean micro-batch loss, and the sum of token losses over the number of loss tokens."""
+    per_rank = [schedule_micro_batches(rank) for rank in range(data_parallel_size)]
+    every = [batch for micro_batches in per_rank for batch in micro_batches]
+    result = dict(grads={})
     with runtime.parallel(tp=1):
-        provider, model = provider_and_model(architecture)
-        per_rank = [schedule_micro_batches(rank) for rank in range(data_parallel_size)]
-        with torch.no_grad():
-            forward_only = [[per_token_loss(model, architecture, provider.vocab_size, b) for b in micro_batches]
-                            for micro_batches in per_rank]
-        loss = torch.stack([_mean_loss(provider, model, architecture, mbs) for mbs in per_rank]).mean()
-        loss.backward()
-        return dict(forward_only=forward_only, grads=gradients_as_hf(provider, model, lambda param: param.grad))
+        for name in LOSS_FUNCS:
+            provider, model = provider_and_model(architecture)
+            if name == "micro-batch-mean":
+                with torch.no_grad():
+                    result["forward_only"] = [[per_token_loss(model, architecture, provider.vocab_size, batch)
+                                               for batch in micro_batches] for micro_batches in per_rank]
+                loss = torch.stack([_mean_loss(provider, model, architecture, mbs) for mbs in per_rank]).mean()
+            else:
+                token_losses = [per_token_loss(model, architecture, provider.vocab_size, batch) * batch["loss_mask"]
+                                for batch in every]
+                loss = torch.stack([t.sum() for t in token_losses]).sum() / sum(b["loss_mask"].sum() for b in every)
+            loss.backward()
+            result["grads"][name] = gradients_as_hf(provider, model, lambda param: param.grad)
+    return result
 
 
 @functools.cache
@@ -345,11 +372,12 @@ def test_schedule_forward_only_gives_each_micro_batch_its_loss(ranks, case):
             assert (mine - expected).abs().max().item() <= LOSS_TOLERANCE
 
 
+@pytest.mark.parametrize("loss", LOSS_FUNCS)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_schedule_training_reduces_the_mean_gradient_over_micro_batches_and_ranks(ranks, case):
-    reference = plain_schedule(case[0], data_parallel_size(case))["grads"]
+def test_schedule_training_reduces_the_gradient_over_micro_batches_and_ranks(ranks, case, loss):
+    reference = plain_schedule(case[0], data_parallel_size(case))["grads"][loss]
     for result in ranks:
-        grads = result[case]["schedule"]["grads"]
+        grads = result[case]["schedule"]["grads"][loss]
         assert grads.keys() == reference.keys()
         errors = {name: relative_error(grads[name], expected) for name, expected in reference.items()
                   if expected.abs().max() > 0}
