@@ -8,18 +8,23 @@ applied by `apply()`, only when `torch.cuda.is_available()` is False, and each h
 | upstream                                                        | why it fails without CUDA                     |
 |-----------------------------------------------------------------|-----------------------------------------------|
 | RotaryEmbedding.get_emb (models/common/embeddings)              | moves `inv_freq` to torch.cuda.current_device()|
-| utils.GlobalMemoryBuffer.get_tensor (DotProductAttention's QK^T) | allocates on torch.cuda.current_device()      |
 | transformer.utils.get_default_causal_mask (and its importers)   | allocates the mask on "cuda"                  |
 | tensor_parallel.random: _get/_set_cuda_rng_state, the RNG tracker| reads and seeds the CUDA generator            |
 | MoEAlltoAllTokenDispatcher.__init__                             | creates a torch.cuda.Stream                   |
 | dist_checkpointing's save/load strategies                       | torch.cuda.synchronize(), status tensors on   |
 |                                                                 | torch.cuda.current_device()                   |
+| utils (GlobalMemoryBuffer: DotProductAttention's QK^T; the grad | buffers and small tensors on                  |
+| norm without Apex / TE), distributed.param_and_grad_buffer      | torch.cuda.current_device() / device="cuda";  |
+| (DDP's buffers), optimizer.optimizer, optimizer.clip_grads,     | waits on torch.cuda.current_stream()          |
+| pipeline_parallel.schedules                                     |                                               |
+| DistributedOptimizer / Float16OptimizerWithFloat16Params        | accept only tensors whose type() is           |
+| __init__, clip_grad_by_total_norm_fp32                          | "torch.cuda.FloatTensor" (or Half / BFloat16) |
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
 
 import torch
 
@@ -36,11 +41,12 @@ def apply() -> None:
     if _applied or not needed():
         return
     _patch_rotary_embedding()
-    _patch_global_memory_buffer()
     _patch_default_causal_mask()
     _patch_rng()
     _patch_alltoall_dispatcher_stream()
     _patch_dist_checkpointing()
+    _patch_cuda_allocations()
+    _patch_optimizer_type_checks()
     _applied = True
 
 
@@ -58,21 +64,6 @@ def _patch_rotary_embedding() -> None:
         return emb[:, None, None, :]
 
     RotaryEmbedding.get_emb = get_emb
-
-
-def _patch_global_memory_buffer() -> None:
-    # GlobalMemoryBuffer.get_tensor (the scratch buffer of the local spec's DotProductAttention)
-    # allocates on torch.cuda.current_device(); without CUDA the same buffer lives on the CPU.
-    from megatron.core.utils import GlobalMemoryBuffer
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        required_len = math.prod(tensor_shape)
-        buffer = self.buffer.get((name, dtype))
-        if buffer is None or buffer.numel() < required_len:
-            buffer = self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype)
-        return buffer[0:required_len].view(*tensor_shape)
-
-    GlobalMemoryBuffer.get_tensor = get_tensor
 
 
 def _causal_mask_on_cpu(sq: int) -> torch.Tensor:
@@ -143,18 +134,64 @@ def _patch_dist_checkpointing() -> None:
     # and puts small status tensors for all-reduces on torch.cuda.current_device() (gloo wants CPU).
     # The patch is confined to those modules: their `torch` global becomes a view of torch whose
     # `cuda.synchronize` is a no-op and whose `cuda.current_device()` is the CPU.
-    import importlib
-
-    for module_name in (
+    _give_modules_torch_on_cpu(
         "megatron.core.dist_checkpointing.tensor_aware_state_dict",
         "megatron.core.dist_checkpointing.strategies.async_utils",
         "megatron.core.dist_checkpointing.strategies.filesystem_async",
         "megatron.core.dist_checkpointing.strategies.fully_parallel",
         "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    ):
+    )
+
+
+def _patch_cuda_allocations() -> None:
+    # utils.GlobalMemoryBuffer (the scratch buffer of the local spec's DotProductAttention) and
+    # DistributedDataParallel's contiguous grad (and, for the distributed optimizer, param) buffers are
+    # allocated on torch.cuda.current_device(), and DDP waits on torch.cuda.current_stream() before
+    # reducing them; the optimizers' loss scale and found-inf flag, the gradient norm (clip_grads, and
+    # utils.local_multi_tensor_l2_norm, its implementation without Apex or Transformer Engine) and the
+    # no-pipelining schedule's token count are small tensors made with device="cuda". In those modules
+    # torch becomes `_TorchOnCpu`.
+    _give_modules_torch_on_cpu(
+        "megatron.core.utils",
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.clip_grads",
+        "megatron.core.pipeline_parallel.schedules",
+    )
+
+
+def _patch_optimizer_type_checks() -> None:
+    # The optimizers sort parameters into fp32 and 16-bit ones (and clipping checks gradients) by their
+    # type() string, which names only CUDA tensors ("torch.cuda.FloatTensor"); anything else is refused.
+    # Inside these calls a CPU tensor's type() is the CUDA name of its dtype.
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
+        optimizer.Float16OptimizerWithFloat16Params.__init__)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
+        clip_grads.clip_grad_by_total_norm_fp32)
+
+
+def _give_modules_torch_on_cpu(*module_names: str) -> None:
+    """Replace the `torch` global of each module by `_TorchOnCpu` (that module only)."""
+    import importlib
+
+    for module_name in module_names:
         module = importlib.import_module(module_name)
         if module.torch is torch:
             module.torch = _TorchOnCpu()
+
+
+class _CpuStream:
+    """torch.cuda.current_stream() without CUDA: CPU work is in program order, so there is nothing to wait for."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
 
 
 class _CudaOnCpu:
@@ -169,9 +206,47 @@ class _CudaOnCpu:
     def current_device() -> str:
         return "cpu"
 
+    @staticmethod
+    def current_stream(device=None) -> _CpuStream:
+        return _CpuStream()
+
+
+def _on_cpu(factory):
+    """A tensor factory whose device="cuda" (or a CUDA device) means the CPU."""
+
+    def make(*args, **kwargs):
+        if "device" in kwargs and kwargs["device"] is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
 
 class _TorchOnCpu:
+    """The `torch` module as seen by a Megatron module that assumes CUDA, on a machine without it."""
+
     cuda = _CudaOnCpu()
+    tensor, zeros, empty, ones = (staticmethod(_on_cpu(factory))
+                                  for factory in (torch.tensor, torch.zeros, torch.empty, torch.ones))
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+class _CudaTypeNames(torch.overrides.TorchFunctionMode):
+    """tensor.type() of a CPU tensor gives the name of the CUDA tensor of its dtype ("torch.cuda.FloatTensor")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not args[0].is_cuda:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _CudaTypeNames():
+            return function(*args, **kwargs)
+
+    return call

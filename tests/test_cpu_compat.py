@@ -99,6 +99,81 @@ def test_dist_checkpointing_round_trip_on_cpu(tmp_path):
     assert torch.equal(loaded["w"], tensor)
 
 
+def test_cuda_allocations_of_ddp_optimizers_and_schedules_land_on_the_cpu():
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (param_and_grad_buffer, megatron_optimizer, clip_grads, schedules):
+        assert module.torch.zeros(2, device="cuda").device.type == "cpu"
+        assert module.torch.tensor([1.0], device=module.torch.cuda.current_device()).device.type == "cpu"
+    stream = param_and_grad_buffer.torch.cuda.current_stream()
+    stream.wait_stream(stream)  # nothing to wait for on the CPU
+    assert torch.zeros(1).type() == "torch.FloatTensor", "torch itself is untouched"
+    # the gradient norm (utils.local_multi_tensor_l2_norm without Apex or Transformer Engine) on the CPU
+    assert clip_grads.get_grad_norm_fp32([torch.tensor([3.0]), torch.tensor([4.0])]) == pytest.approx(5.0)
+
+
+def test_clipping_takes_cpu_gradients_and_type_names_stay_inside_the_call():
+    from megatron.core.optimizer import clip_grads
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])
+    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=5.0)
+    assert torch.allclose(param.grad, torch.tensor([0.6, 0.8]), rtol=1e-6)  # scaled by 1 / (5 + 1e-6)
+    assert param.type() == "torch.FloatTensor"
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_ddp_and_megatron_optimizers_step_on_cpu_parameters(dtype, distributed):
+    # FP32Optimizer / Float16OptimizerWithFloat16Params / DistributedOptimizer (fp32 and bf16): one clipped Adam
+    # step equals torch's AdamW on the fp32 weights (1e-6: the same fp32 math; the 16-bit model copy is those
+    # weights rounded to bf16)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    bf16 = dtype == torch.bfloat16
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, bf16=bf16, params_dtype=dtype)
+    torch.manual_seed(0)
+    module = _Linear(config).to(dtype)
+    reference = _Linear(config).to(dtype)
+    reference.load_state_dict(module.state_dict())
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True), module)
+    assert all(buffer.grad_data.device.type == "cpu" for buffer in ddp.buffers)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=0.1, weight_decay=0.0, clip_grad=0.5, bf16=bf16, use_distributed_optimizer=distributed),
+        [ddp])
+    x = torch.randn(2, 4).to(dtype)
+    ddp(x).float().square().sum().backward()
+    finalize_model_grads([ddp])
+    succeeded, grad_norm, _ = optimizer.step()
+
+    reference(x).float().square().sum().backward()
+    weights = [p.detach().float().requires_grad_() for p in reference.parameters()]
+    for weight, param in zip(weights, reference.parameters()):
+        weight.grad = param.grad.float()
+    expected_norm = torch.nn.utils.clip_grad_norm_(weights, 0.5).item()
+    torch.optim.AdamW(weights, lr=0.1, weight_decay=0.0).step()
+    assert succeeded and grad_norm == pytest.approx(expected_norm, rel=1e-6) and grad_norm > 0.5
+    for param, weight in zip(module.parameters(), weights):
+        assert param.dtype == dtype
+        torch.testing.assert_close(param, weight.to(dtype), rtol=1e-6, atol=0)
+
+
 def test_apply_is_a_no_op_with_cuda(monkeypatch):
     monkeypatch.setattr(cpu_compat, "_applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
