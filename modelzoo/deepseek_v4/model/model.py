@@ -90,7 +90,14 @@ class DeepseekV4Model(MegatronModule):
         self.output_layer = ColumnParallelLinear(
             args.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
             gather_output=False)
-        self.mtp = DeepseekV4MTP(config, args, attention) if build_mtp and args.num_mtp_layers else None
+        self.mtp = DeepseekV4MTP(config, args, attention, args.num_mtp_layers if build_mtp else 0)
+        # The language-model loss reaches neither the indexers (a top-k of indices: DeepSeek trains them with a
+        # loss of their own, not implemented here) nor the MTP layers unless their loss is on. Frozen, they are
+        # what a step leaves them anyway, and Megatron's DDP, which waits for a gradient of every trainable
+        # parameter when it overlaps the reduction with the backward, has none to wait for.
+        for name, param in self.named_parameters():
+            if ".indexer." in name or (name.startswith("mtp.") and not mtp_loss_scale):
+                param.requires_grad_(False)
         self.layer_graphs: LayerGraphs | None = None
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
@@ -212,7 +219,7 @@ class DeepseekV4Model(MegatronModule):
                 streams = layer(streams, position_ids, input_ids, layout, unrouted)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
         if return_mtp or (labels is not None and self.mtp_loss_scale):
-            if self.mtp is None:
+            if not self.mtp.layers:
                 raise ValueError("this DeepSeek-V4 model was built without MTP layers (num_nextn_predict_layers=0 "
                                  "or build_mtp=False)")
             mtp_logits = self.mtp(self, streams, input_ids, position_ids, layout, unrouted)

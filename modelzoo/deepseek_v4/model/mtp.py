@@ -55,15 +55,21 @@ class DeepseekV4MTPLayer(nn.Module):
         self.hc_head = HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps, config.init_method_std)
         self.final_layernorm = RMSNorm(hidden, args.rms_norm_eps)
 
+    @property
+    def mtp_model_layer(self) -> nn.Module:
+        """The decoder layer inside, under the name Megatron's MTP layers give it (its schedules read it)."""
+        return self.block
+
     def forward(self, streams, embeddings, position_ids, input_ids, layout, unrouted):
         x = self.e_proj(self.enorm(embeddings)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
         return self.block(x, position_ids, input_ids, layout, unrouted)
 
 
 class DeepseekV4MTP(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
+    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact", num_layers: int | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(args.num_mtp_layers))
+        num_layers = args.num_mtp_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(num_layers))
 
     def forward(self, model, streams, input_ids, position_ids, layout: TokenLayout,
                 unrouted: torch.Tensor | None = None) -> list[torch.Tensor]:
