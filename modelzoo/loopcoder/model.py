@@ -5,7 +5,7 @@
     loop 2:  for each layer l:  h = layer(h, K1[l], V1[l])
              attention = g * Attn(q2, K1[l], V1[l]) + (1 - g) * SlidingAttn(q2, k2, v2; window W)
              g[t, head] = sigmoid(q2[t, head] . w_l[head] + b_l[head])           # post-RoPE loop-2 query
-    logits = output_layer(final_norm(h))
+    logits = output_layer(final_norm(h))                                          # the embedding matrix if tied
 
 The layers are built from Megatron-Core's parallel pieces (ColumnParallelLinear / RowParallelLinear,
 MLP, the local spec's norm, RotaryEmbedding) with the same module names as GPTModel, so every
@@ -173,17 +173,24 @@ class LoopCoderModel(MegatronModule):
     """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
 
     def __init__(self, config, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
-                 loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False):
+                 loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False,
+                 tie_word_embeddings: bool = False):
         super().__init__(config)
         self.loop_num = loop_num
+        self.share_embeddings_and_output_weights = tie_word_embeddings
         self.embedding = LanguageModelEmbedding(config, padded_vocab_size, max_sequence_length,
                                                 position_embedding_type="none")
         self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rope_theta,
                                               use_cpu_initialization=config.use_cpu_initialization)
         self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate)
+        # tied: the output layer has no weight of its own and is handed the embedding matrix (as GPTModel does)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False)
+            gather_output=False, skip_weight_param_allocation=tie_word_embeddings)
+        if tie_word_embeddings:
+            # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
+            # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [batch, seq] -> logits of this rank's vocabulary shard [batch, seq, vocab / tp]."""
@@ -192,5 +199,6 @@ class LoopCoderModel(MegatronModule):
         hidden = self.embedding(input_ids, positions)  # [seq, batch, hidden]
         rotary = self.rotary_pos_emb(seq)
         hidden = self.decoder(hidden, rotary, self.loop_num)
-        logits, _ = self.output_layer(hidden)
+        output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=output_weight)
         return logits.transpose(0, 1).contiguous()

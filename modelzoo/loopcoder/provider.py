@@ -53,7 +53,8 @@ class LoopCoderProvider(ModelProvider):
         hf = self.hf_config
         return LoopCoderModel(config, self.padded_vocab_size(), hf.max_position_embeddings,
                               hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,
-                              attention_impl=self.attention, train_gate=self.train_gate)
+                              attention_impl=self.attention, train_gate=self.train_gate,
+                              tie_word_embeddings=hf.tie_word_embeddings)
 
     def mapping(self):
         hf = self.hf_config
