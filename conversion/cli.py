@@ -137,7 +137,7 @@ def cmd_export_adapter(args) -> int:
     from modelzoo.lora import export_adapter
 
     start = time.perf_counter()
-    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base)
+    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base, naming=args.naming)
     _summary("export-adapter", [("architecture", result["architecture"]), ("source", args.checkpoint_dir),
                                 ("step", result["step"]), ("output", result["output"]),
                                 ("tensor parallel", args.tp), ("seconds", f"{time.perf_counter() - start:.1f}")])
@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("adapter_dir")
     sub.add_argument("--base", default=None, help="base HF checkpoint (default: the one recorded in the checkpoint)")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    sub.add_argument("--naming", choices=("transformers", "release"), default="transformers",
+                     help="module names: transformers' model class (what peft loads onto) or the checkpoint's "
+                          "tensor names (DeepSeek-V4 release leaves; the same for Llama and LoopCoder)")
     sub.set_defaults(func=cmd_export_adapter)
 
     for name, func, text in (("logprobs", cmd_logprobs, "token log-probabilities to JSON"),
