@@ -66,9 +66,10 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
-                   attention: str, with_logits: bool):
+                   attention: str, with_logits: bool, options: dict):
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
+        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
+                                  **options)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
@@ -83,10 +84,11 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
-                     attention: str = "exact", with_logits: bool = True, ep: int = 1):
+                     attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None):
     """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
-    them; the model is built and loaded once for all batches.
+    them; the model is built and loaded once for all batches. `options`: more keywords of `build_provider`.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
-    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits)[0]
+    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
+                       options or {})[0]

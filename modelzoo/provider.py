@@ -87,6 +87,7 @@ class ModelProvider:
         self.attention = attention
         self.params_dtype = params_dtype
         self.config_overrides = config_overrides
+        self._check_overrides()
         self.check_supported()
 
     # --- what an architecture provides -------------------------------------------------------
@@ -96,6 +97,11 @@ class ModelProvider:
 
     def check_supported(self) -> None:
         """Raise ValueError naming any config field this implementation does not support."""
+
+    def model_options(self) -> dict[str, Any]:
+        """Keyword arguments of `build_provider` that rebuild this model from its config alone (a Megatron
+        checkpoint records them: its HF side holds the config, not the weights the provider looked at)."""
+        return {}
 
     def transformer_config_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -115,6 +121,16 @@ class ModelProvider:
         raise NotImplementedError
 
     # --- generic ------------------------------------------------------------------------------
+    def _check_overrides(self) -> None:
+        import dataclasses
+
+        from megatron.core.transformer import TransformerConfig
+
+        unknown = sorted(set(self.config_overrides) - {field.name for field in dataclasses.fields(TransformerConfig)})
+        if unknown:
+            raise ValueError(f"{self.name}: unknown option {unknown[0]!r}: not an option of this architecture nor a "
+                             f"Megatron TransformerConfig field")
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
