@@ -77,6 +77,9 @@ class ModelProvider:
     hf_model_types: ClassVar[tuple[str, ...]]
     hf_architectures: ClassVar[tuple[str, ...]]
     has_experts: ClassVar[bool] = False     # whether expert parallelism means anything for it
+    # whether its attention can hold copies of a KV head on several TP ranks (modelzoo/replicated_kv.py), so that
+    # TP may be a multiple of the KV heads (num_query_groups) instead of a divisor
+    copies_kv_heads: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -160,6 +163,9 @@ class ModelProvider:
         )
         fields.update(self.transformer_config_fields())
         fields.update(self.config_overrides)
+        groups, tp = fields.get("num_query_groups"), parallel_sizes.get("tensor_model_parallel_size", 1)
+        if self.copies_kv_heads and groups and groups < tp:  # one query group per rank, each with a KV head copy
+            fields["num_query_groups"] = tp
         return fields
 
     def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
@@ -167,9 +173,10 @@ class ModelProvider:
         fields = self.transformer_config_fields()
         heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
-        if tp < 1 or heads % tp or groups % tp:
+        if tp < 1 or heads % tp or (groups % tp and not (self.copies_kv_heads and tp % groups == 0)):
+            kv_rule = "divide or be a multiple of" if self.copies_kv_heads else "divide"
             raise ValueError(
-                f"tensor parallel size {tp} must divide the attention heads ({heads}) and the key/value "
+                f"tensor parallel size {tp} must divide the attention heads ({heads}) and {kv_rule} the key/value "
                 f"heads ({groups}) of this {self.name} model"
             )
         if ep != 1 and not self.has_experts:

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from modelzoo.attention import attention
+from modelzoo.replicated_kv import QKVParallelLinear
 
 LoopKV = tuple[Tensor, Tensor]  # post-RoPE loop-1 keys and values of one layer, [batch, kv_heads, seq, head_dim]
 
@@ -61,7 +62,7 @@ class LoopGate(torch.nn.Module):
 
 
 class LoopCoderAttention(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.head_dim = config.kv_channels
@@ -72,9 +73,9 @@ class LoopCoderAttention(MegatronModule):
         self.recompute_core_attention = (config.recompute_granularity == "selective"
                                          and "core_attn" in (config.recompute_modules or ["core_attn"]))
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
-        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+        self.linear_qkv = QKVParallelLinear(  # config.num_query_groups is the TP size when KV heads are copied
             config.hidden_size, qkv_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False)
+            gather_output=False, num_kv_heads=num_kv_heads)
         self.linear_proj = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True)
@@ -114,12 +115,12 @@ class LoopCoderAttention(MegatronModule):
 
 
 class LoopCoderLayer(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
         norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=True)
         self.input_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                             eps=config.layernorm_epsilon)
-        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate)
+        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
         self.pre_mlp_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                               eps=config.layernorm_epsilon)
         self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
@@ -133,10 +134,10 @@ class LoopCoderLayer(MegatronModule):
 
 
 class LoopCoderDecoder(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
-        self.layers = torch.nn.ModuleList(
-            LoopCoderLayer(config, loop_window_size, attention_impl, train_gate) for _ in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(LoopCoderLayer(config, loop_window_size, attention_impl, train_gate,
+                                                         num_kv_heads) for _ in range(config.num_layers))
         norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=False)
         self.final_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                             eps=config.layernorm_epsilon)
@@ -173,8 +174,8 @@ class LoopCoderModel(MegatronModule):
     """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
 
     def __init__(self, config, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
-                 loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False,
-                 tie_word_embeddings: bool = False):
+                 loop_num: int, loop_window_size: int, num_kv_heads: int, attention_impl: str = "exact",
+                 train_gate: bool = False, tie_word_embeddings: bool = False):
         super().__init__(config)
         self.loop_num = loop_num
         self.share_embeddings_and_output_weights = tie_word_embeddings
@@ -182,7 +183,7 @@ class LoopCoderModel(MegatronModule):
                                                 position_embedding_type="none")
         self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rope_theta,
                                               use_cpu_initialization=config.use_cpu_initialization)
-        self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate)
+        self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
         # tied: the output layer has no weight of its own and is handed the embedding matrix (as GPTModel does)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
