@@ -14,6 +14,7 @@ weight movement, log-probabilities) is generic and lives here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -125,8 +126,6 @@ class ModelProvider:
 
     # --- generic ------------------------------------------------------------------------------
     def _check_overrides(self) -> None:
-        import dataclasses
-
         from megatron.core.transformer import TransformerConfig
 
         unknown = sorted(set(self.config_overrides) - {field.name for field in dataclasses.fields(TransformerConfig)})
