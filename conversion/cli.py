@@ -69,16 +69,18 @@ def _existing_objects_not_collected():
         gc.unfreeze()
 
 
-def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None) -> int:
+def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
+                 options: dict) -> int:
     with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
+        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], **options)
         # streamed: the model is never built, each tensor is read, sharded and written in turn
         skeleton = provider.provide_skeleton()
         reader = provider.checkpoint_reader(Path(hf_dir), naming)
         try:
             weights = engine.hf_weights(skeleton, provider.mapping(), reader)
             side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
-            metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep}
+            metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep,
+                        "model_options": provider.model_options()}
             megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights,
                                write_hf_side=lambda folder: keep_source_scales(reader, folder))
         finally:
@@ -89,12 +91,13 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
 def cmd_import(args) -> int:
     out = Path(args.megatron_dir)
     _refuse_existing(out)
-    provider = build_provider(args.hf_dir)  # model type and layout checked before any process starts
+    options = _provider_options(args)
+    provider = build_provider(args.hf_dir, **options)  # model type and layout checked before any process starts
     provider.check_parallel_layout(args.tp, args.ep)
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
     local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
-                                 naming)
+                                 naming, options)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
                         ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
@@ -107,7 +110,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]])
+        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], **metadata.get("model_options", {}))
         # streamed: the model is never built, its tensors are read a bounded group at a time
         weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)
         return provider.save_checkpoint(weights, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
@@ -137,7 +140,7 @@ def cmd_export_adapter(args) -> int:
     from modelzoo.lora import export_adapter
 
     start = time.perf_counter()
-    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base)
+    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base, naming=args.naming)
     _summary("export-adapter", [("architecture", result["architecture"]), ("source", args.checkpoint_dir),
                                 ("step", result["step"]), ("output", result["output"]),
                                 ("tensor parallel", args.tp), ("seconds", f"{time.perf_counter() - start:.1f}")])
@@ -161,9 +164,13 @@ def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
     return tokens
 
 
+def _provider_options(args) -> dict:
+    return {"require_mtp": True} if args.require_mtp else {}
+
+
 def cmd_logprobs(args) -> int:
     out = Path(args.out)
-    provider = build_provider(args.hf_dir)
+    provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     dtype = DTYPES[args.dtype]
@@ -172,7 +179,7 @@ def cmd_logprobs(args) -> int:
                          "at a time: drop --pack or use --backend megatron")
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
-                                    packed=sequences)
+                                    options=_provider_options(args), packed=sequences)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
@@ -180,7 +187,7 @@ def cmd_logprobs(args) -> int:
             outputs = hf_outputs(args.hf_dir, batches, dtype)
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
-                                       ep=args.ep)
+                                       ep=args.ep, options=_provider_options(args))
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
     partial = out.with_name(out.name + ".partial")
     partial.write_text(json.dumps({"logprobs": results}) + "\n")
@@ -191,7 +198,7 @@ def cmd_logprobs(args) -> int:
 
 
 def cmd_parity(args) -> int:
-    provider = build_provider(args.hf_dir)
+    provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
@@ -200,7 +207,7 @@ def cmd_parity(args) -> int:
     lengths = sorted({1, 5, max(1, args.seq_len // 3), args.seq_len})
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
-        args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, packed=packed)
+        args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype)
     packed_diff = max((ours - theirs[0][0]).abs().max().item() for ours, theirs in zip(megatron_packed, hf_alone)
@@ -242,12 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
         if dtype:
             sub.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
+    def require_mtp(sub):
+        sub.add_argument("--require-mtp", action="store_true",
+                         help="DeepSeek-V4: refuse a checkpoint without the MTP layers its config describes "
+                              "(default: load it without them, with a warning)")
+
     sub = commands.add_parser("import", help="HF checkpoint -> Megatron torch_dist checkpoint")
     sub.add_argument("hf_dir")
     sub.add_argument("megatron_dir")
     sub.add_argument("--format", choices=("auto", "hf", "native"), default="auto",
                      help="tensor naming of the source; native = a release checkpoint (FP8 / MXFP4 dequantised)")
     common(sub)
+    require_mtp(sub)
     sub.set_defaults(func=cmd_import)
 
     sub = commands.add_parser("export", help="Megatron torch_dist checkpoint -> HF checkpoint")
@@ -268,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("adapter_dir")
     sub.add_argument("--base", default=None, help="base HF checkpoint (default: the one recorded in the checkpoint)")
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    sub.add_argument("--naming", choices=("transformers", "release"), default="transformers",
+                     help="module names: transformers' model class (what peft loads onto) or the checkpoint's "
+                          "tensor names (DeepSeek-V4 release leaves; the same for Llama and LoopCoder)")
     sub.set_defaults(func=cmd_export_adapter)
 
     for name, func, text in (("logprobs", cmd_logprobs, "token log-probabilities to JSON"),
@@ -276,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("hf_dir")
         sub.add_argument("--attention", choices=("exact", "fast"), default="exact")
         common(sub)
+        require_mtp(sub)
         sub.set_defaults(func=func)
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
     commands.choices["logprobs"].add_argument("--out", required=True)

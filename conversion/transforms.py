@@ -124,28 +124,44 @@ class PadVocab(Transform):
 class FusedQKV(RowsTransform):
     """q, k, v projections <-> Megatron's linear_qkv, interleaved per query group.
 
-    Megatron layout (rows): for each KV group g: its heads_per_group query heads, then k_g, then v_g.
-    Sharding rows by TP then hands each rank whole groups, so the layout does not depend on TP.
+    Megatron layout (rows): for each query group g: its query heads, then k_g, then v_g. Sharding rows by TP
+    then hands each rank whole groups, so the layout does not depend on TP as long as there are `num_kv_heads`
+    groups. A model with fewer KV heads than TP ranks has more groups than KV heads (one per rank, as vLLM
+    replicates them): each KV head is then copied into `groups / num_kv_heads` consecutive groups, which split
+    its query heads; back towards HF every KV head is taken from its first copy. The number of groups is read
+    from the Megatron tensor's rows.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
+    def groups(self, megatron_rows: int) -> int:
+        """The query groups of a linear_qkv with this many rows: `num_kv_heads`, or a multiple of it (copies)."""
+        groups = (megatron_rows // self.head_dim - self.num_heads) // 2
+        if groups < 1 or groups % self.num_kv_heads or self.num_heads % groups or \
+                (self.num_heads + 2 * groups) * self.head_dim != megatron_rows:
+            raise ValueError(f"{self!r}: a linear_qkv of {megatron_rows} rows is not whole query groups of "
+                             f"{self.num_kv_heads} key/value heads or copies of them")
+        return groups
+
     def to_megatron_rows(self, hf, megatron_shape, tp):
         q, k, v = hf
-        groups, per_group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        tail = q.shape[1:]
-        grouped = zip(q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail))
-        return RowBlocks([block for group in grouped for block in group])
+        groups, d = self.groups(megatron_shape[0]), self.head_dim
+        copies, tail = groups // self.num_kv_heads, q.shape[1:]
+        k, v = k.reshape(self.num_kv_heads, d, *tail), v.reshape(self.num_kv_heads, d, *tail)
+        return RowBlocks([block for group, q_rows in enumerate(q.reshape(groups, -1, *tail))
+                          for block in (q_rows, k[group // copies], v[group // copies])])
 
     def to_hf_rows(self, megatron, tp):
-        """q, k and v, each its rows of every group in turn: `num_kv_heads` blocks, none copied."""
-        per_group, d = self.num_heads // self.num_kv_heads, self.head_dim
-        parts = {"q": (0, per_group * d), "k": (per_group * d, d), "v": ((per_group + 1) * d, d)}
+        """q, k and v, each its rows of every group (k and v: of each KV head's first copy) in turn, none copied."""
+        groups, d = self.groups(megatron.shape[0]), self.head_dim
+        per_group, copies = self.num_heads // groups, groups // self.num_kv_heads
         group_rows = (per_group + 2) * d
-        return [RowBlocks([block for group in range(self.num_kv_heads)
-                           for block in megatron.narrow(0, group * group_rows + start, rows).blocks])
-                for start, rows in parts.values()]
+        q = [block for group in range(groups) for block in megatron.narrow(0, group * group_rows, per_group * d).blocks]
+        k, v = ([block for head in range(self.num_kv_heads)
+                 for block in megatron.narrow(0, head * copies * group_rows + start, d).blocks]
+                for start in (per_group * d, (per_group + 1) * d))
+        return [RowBlocks(q), RowBlocks(k), RowBlocks(v)]
 
     def __repr__(self) -> str:
         return f"FusedQKV(heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"

@@ -6,10 +6,13 @@ oracle class (transformers' own where it exists), loaded without remote code.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 
+from conversion.mapping import MappingError
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 from modelzoo.sequences import pack_sequences
@@ -23,9 +26,32 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch
     return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
+@contextlib.contextmanager
+def _transformers_quiet():
+    verbosity, progress_bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress_bar:
+            hf_logging.enable_progress_bar()
+
+
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """The oracle with every weight from the checkpoint: transformers would initialise a missing one at random
+    and only log it, so a missing, unexpected or mis-shaped tensor is refused here (as the Megatron side does)."""
     provider = build_provider(hf_dir)
-    return provider.hf_model_class().from_pretrained(hf_dir, dtype=dtype).eval()
+    with _transformers_quiet():  # its load report and progress bar; a mismatch is reported below, in one line
+        model, info = provider.hf_model_class().from_pretrained(hf_dir, dtype=dtype, output_loading_info=True)
+    problems = [f"{what} {', '.join(sorted(map(str, info[kind])))}" for kind, what in
+                (("missing_keys", "missing tensors"), ("unexpected_keys", "unexpected tensors"),
+                 ("mismatched_keys", "mis-shaped tensors")) if info[kind]]
+    if problems:
+        raise MappingError(f"{hf_dir}: the Hugging Face model {type(model).__name__} does not match the checkpoint: "
+                           + "; ".join(problems))
+    return model.eval()
 
 
 @torch.no_grad()
@@ -41,9 +67,10 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
-                   attention: str, with_logits: bool, packed: list[list[int]] | None = None):
+                   attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None):
     with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
+        provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
+                                  **options)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
@@ -62,13 +89,13 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
-                     attention: str = "exact", with_logits: bool = True, ep: int = 1,
+                     attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None,
                      packed: list[list[int]] | None = None):
     """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
-    them; the model is built and loaded once for all batches. With `packed` (token-id lists), one more entry:
-    each sequence's log-probs from one forward of them packed into a row (THD).
+    them; the model is built and loaded once for all batches. `options`: more keywords of `build_provider`. With
+    `packed` (token-id lists), one more entry: each sequence's log-probs from one forward of them packed into a row.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
     return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
-                       packed)[0]
+                       options or {}, packed)[0]

@@ -14,6 +14,7 @@ mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.gpt_c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -77,6 +78,9 @@ class ModelProvider:
     hf_model_types: ClassVar[tuple[str, ...]]
     hf_architectures: ClassVar[tuple[str, ...]]
     has_experts: ClassVar[bool] = False     # whether expert parallelism means anything for it
+    # whether its attention can hold copies of a KV head on several TP ranks (modelzoo/replicated_kv.py), so that
+    # TP may be a multiple of the KV heads (num_query_groups) instead of a divisor
+    copies_kv_heads: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -87,6 +91,7 @@ class ModelProvider:
         self.attention = attention
         self.params_dtype = params_dtype
         self.config_overrides = config_overrides
+        self._check_overrides()
         self.check_supported()
 
     # --- what an architecture provides -------------------------------------------------------
@@ -96,6 +101,11 @@ class ModelProvider:
 
     def check_supported(self) -> None:
         """Raise ValueError naming any config field this implementation does not support."""
+
+    def model_options(self) -> dict[str, Any]:
+        """Keyword arguments of `build_provider` that rebuild this model from its config alone (a Megatron
+        checkpoint records them: its HF side holds the config, not the weights the provider looked at)."""
+        return {}
 
     def transformer_config_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -111,6 +121,14 @@ class ModelProvider:
         raise NotImplementedError
 
     # --- generic ------------------------------------------------------------------------------
+    def _check_overrides(self) -> None:
+        from megatron.core.transformer import TransformerConfig
+
+        unknown = sorted(set(self.config_overrides) - {field.name for field in dataclasses.fields(TransformerConfig)})
+        if unknown:
+            raise ValueError(f"{self.name}: unknown option {unknown[0]!r}: not an option of this architecture nor a "
+                             f"Megatron TransformerConfig field")
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
@@ -140,6 +158,9 @@ class ModelProvider:
         )
         fields.update(self.transformer_config_fields())
         fields.update(self.config_overrides)
+        groups, tp = fields.get("num_query_groups"), parallel_sizes.get("tensor_model_parallel_size", 1)
+        if self.copies_kv_heads and groups and groups < tp:  # one query group per rank, each with a KV head copy
+            fields["num_query_groups"] = tp
         return fields
 
     def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
@@ -147,9 +168,10 @@ class ModelProvider:
         fields = self.transformer_config_fields()
         heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
-        if tp < 1 or heads % tp or groups % tp:
+        if tp < 1 or heads % tp or (groups % tp and not (self.copies_kv_heads and tp % groups == 0)):
+            kv_rule = "divide or be a multiple of" if self.copies_kv_heads else "divide"
             raise ValueError(
-                f"tensor parallel size {tp} must divide the attention heads ({heads}) and the key/value "
+                f"tensor parallel size {tp} must divide the attention heads ({heads}) and {kv_rule} the key/value "
                 f"heads ({groups}) of this {self.name} model"
             )
         if ep != 1 and not self.has_experts:

@@ -90,9 +90,10 @@ class WeightSync:
         if self.lora == "merged":  # W + (alpha/r) B A, merged in fp32, through the same path as full weights
             merged = lora.export_merged_hf_weights(model, self.provider)
             return _renamed(merged, self.naming), GroupIndex(self.naming.groups), None
-        config = lora.peft_config(model, self.provider)
+        # the update groups name the checkpoint's tensors, so the adapters keep those names ("release")
+        config = lora.peft_config(model, self.provider, naming="release")
         index = GroupIndex(adapter_groups(self.naming.groups), expects=peft_target_filter(config))
-        return lora.adapter_hf_weights(model, self.provider), index, config
+        return lora.adapter_hf_weights(model, self.provider, naming="release"), index, config
 
 
 def iter_weight_chunks(model: torch.nn.Module, provider: ModelProvider, chunk_bytes: int, naming: str = "hf",

@@ -101,6 +101,7 @@ BAD_INPUTS = {
                            r"unknown model_type 'gpt9'"),
     "tp does not divide heads": ({}, ["--tp", "3"], r"tensor parallel size 3 must divide the attention heads \(4\)"),
     "ep on a dense model": ({}, ["--ep", "2"], r"expert parallel size 2: this llama model has no experts to split"),
+    "require-mtp on a model without MTP": ({}, ["--require-mtp"], r"llama: unknown option 'require_mtp'"),
 }
 
 

@@ -17,7 +17,7 @@ def test_fused_qkv_round_trip_and_layout(kv_heads, per_group, head_dim, hidden):
     k = torch.randn(kv_heads * head_dim, hidden)
     v = torch.randn(kv_heads * head_dim, hidden)
     transform = FusedQKV(heads, kv_heads, head_dim)
-    fused = transform.to_megatron([q, k, v], None, tp=1)
+    fused = transform.to_megatron([q, k, v], torch.Size([(heads + 2 * kv_heads) * head_dim, hidden]), tp=1)
     # independent statement of Megatron's layout: per group, its query heads, then k, then v
     rows = []
     for g in range(kv_heads):
@@ -30,6 +30,33 @@ def test_fused_qkv_round_trip_and_layout(kv_heads, per_group, head_dim, hidden):
     assert all(torch.equal(a.tensor(), b) for a, b in zip(as_rows, [q, k, v]))
     assert all(len(part.blocks) == kv_heads and all(block.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
                                                     for block in part.blocks) for part in as_rows)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kv_heads=st.integers(1, 3), copies=st.integers(2, 4), heads_per_copy=st.integers(1, 3),
+       head_dim=st.integers(1, 4), hidden=st.integers(1, 4))
+def test_fused_qkv_with_kv_heads_copied_over_more_groups(kv_heads, copies, heads_per_copy, head_dim, hidden):
+    """Fewer KV heads than TP ranks: a linear_qkv of kv_heads * copies groups (one per rank)."""
+    groups, heads = kv_heads * copies, kv_heads * copies * heads_per_copy
+    q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, kv_heads, kv_heads))
+    transform = FusedQKV(heads, kv_heads, head_dim)
+    fused = transform.to_megatron([q, k, v], torch.Size([(heads + 2 * groups) * head_dim, hidden]), tp=groups)
+    # independent statement: group j holds query heads j*heads_per_copy.., then KV head j // copies
+    rows = []
+    for j in range(groups):
+        rows += [q[j * heads_per_copy * head_dim:(j + 1) * heads_per_copy * head_dim]]
+        rows += [k[j // copies * head_dim:(j // copies + 1) * head_dim], v[j // copies * head_dim:(j // copies + 1) * head_dim]]
+    assert torch.equal(fused, torch.cat(rows))
+    assert all(torch.equal(a, b) for a, b in zip(transform.to_hf(fused, tp=groups), [q, k, v]))
+    # back to HF, each KV head comes from its first copy: a changed later copy does not show
+    later_copies = fused.clone().view(groups, -1, hidden)
+    later_copies[1::copies, heads_per_copy * head_dim:] += 1
+    assert all(torch.equal(a, b) for a, b in zip(transform.to_hf(later_copies.view_as(fused), tp=groups), [q, k, v]))
+
+
+def test_fused_qkv_refuses_rows_that_are_not_whole_groups():
+    with pytest.raises(ValueError, match="a linear_qkv of 10 rows is not whole query groups of 2 key/value heads"):
+        FusedQKV(4, 2, 1).to_hf(torch.zeros(10, 3), tp=1)
 
 
 @settings(max_examples=50, deadline=None)

@@ -57,7 +57,9 @@ def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = config["head_dim"]
     q_rows, kv_rows = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:  # tied: the head is the embedding matrix, not stored
+        shapes["lm_head.weight"] = (vocab, hidden)
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         shapes |= {

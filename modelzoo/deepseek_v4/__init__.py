@@ -8,20 +8,44 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+from conversion import megatron_ckpt
+from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from modelzoo.deepseek_v4 import config as v4_config
 from modelzoo.deepseek_v4.bridge import deepseek_v4_mapping
 from modelzoo.provider import ModelProvider
 from modelzoo.registry import register
 
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_lacks_mtp(folder: str | Path) -> bool:
+    """Whether the checkpoint in `folder` holds no `mtp.*` tensor (native and HF names both start so); False for a
+    folder without weights (the config-only HF side of a Megatron checkpoint)."""
+    folder = Path(folder)
+    if not ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
+        return False
+    reader = CheckpointReader(folder)
+    try:
+        return not any(name.startswith("mtp.") for name in reader.names())
+    finally:
+        reader.close()
+
 
 @register
 class DeepseekV4Provider(ModelProvider):
     """`attention`: "exact" (eager, the parity path) or "fast" (dense blocks of GEMMs, model/window_attention.py).
-    `mtp_loss_scale`: weight of the MTP loss in `loss()` (0 = off); `build_mtp=False` drops the MTP layers."""
+    `mtp_loss_scale`: weight of the MTP loss in `loss()` (0 = off); `build_mtp=False` drops the MTP layers.
+
+    A checkpoint written by transformers' `save_pretrained` has no `mtp.*` tensors (transformers builds no MTP)
+    while its config keeps `num_nextn_predict_layers`: its model is built without MTP layers, and reading its
+    weights says so in one warning. `require_mtp=True` builds them anyway, so such a checkpoint is refused
+    (missing tensors)."""
 
     name = "deepseek_v4"
     hf_model_types = ("deepseek_v4",)
@@ -29,8 +53,11 @@ class DeepseekV4Provider(ModelProvider):
     has_experts = True
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
-                 mtp_loss_scale: float = 0.0, build_mtp: bool = True, **config_overrides):
-        self.mtp_loss_scale, self.build_mtp = mtp_loss_scale, build_mtp
+                 mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False, **config_overrides):
+        self.mtp_loss_scale = mtp_loss_scale
+        self.mtp_not_in_checkpoint = bool(build_mtp and not require_mtp and hf_config.num_nextn_predict_layers
+                                          and hf_dir is not None and checkpoint_lacks_mtp(hf_dir))
+        self.build_mtp = build_mtp and not self.mtp_not_in_checkpoint
         super().__init__(hf_config, hf_dir=hf_dir, attention=attention, params_dtype=params_dtype, **config_overrides)
 
     @classmethod
@@ -42,8 +69,13 @@ class DeepseekV4Provider(ModelProvider):
 
     def check_supported(self) -> None:
         v4_config.check_supported(self.hf_config)
+        if self.mtp_loss_scale and self.mtp_not_in_checkpoint:
+            raise ValueError(f"DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers, and {self.hf_dir} has no mtp.* tensors")
         if self.mtp_loss_scale and not (self.build_mtp and self.hf_config.num_nextn_predict_layers):
             raise ValueError("DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers (num_nextn_predict_layers > 0, build_mtp=True)")
+
+    def model_options(self) -> dict:
+        return {"build_mtp": False} if self.hf_config.num_nextn_predict_layers and not self.build_mtp else {}
 
     @property
     def args(self) -> v4_config.DeepseekV4Args:
@@ -66,7 +98,13 @@ class DeepseekV4Provider(ModelProvider):
         # release checkpoints: native names, FP8 / MXFP4 weights dequantised on read (docs/deepseek_v4.md)
         from modelzoo.deepseek_v4.native import checkpoint_view
 
-        return checkpoint_view(folder, self.params_dtype, naming)
+        view = checkpoint_view(folder, self.params_dtype, naming)
+        if self.mtp_not_in_checkpoint and megatron_ckpt.rank() == 0:
+            logger.warning(f"deepseek_v4: {self.hf_dir} has no mtp.* tensors although its config.json sets "
+                           f"num_nextn_predict_layers={self.hf_config.num_nextn_predict_layers} (as transformers' "
+                           f"save_pretrained writes it): loading it without MTP layers (require_mtp=True, or "
+                           f"--require-mtp, refuses it)")
+        return view
 
     def save_checkpoint(self, model, out_dir, format="hf", quantize=None, **options):
         from modelzoo.deepseek_v4 import native

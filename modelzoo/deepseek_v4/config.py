@@ -54,6 +54,7 @@ class DeepseekV4Args:
     rope_parameters: dict           # {"main": {...}, "compress": {...}} as the HF config holds them
     num_mtp_layers: int
     max_position_embeddings: int
+    tie_word_embeddings: bool = False  # the output layer (main and MTP) is the embedding matrix
     # the MTP block is a sliding-window layer with a learned (non-hash) router: the release's MTP
     # tensors have no compressor/indexer and a gate bias; transformers' schema does not describe it
     mtp_layer_type: str = SLIDING
@@ -75,6 +76,7 @@ class DeepseekV4Args:
             mlp_layer_types=tuple(hf.mlp_layer_types), rms_norm_eps=hf.rms_norm_eps,
             rope_parameters={k: dict(v) for k, v in hf.rope_parameters.items() if isinstance(v, dict)},
             num_mtp_layers=hf.num_nextn_predict_layers or 0, max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=hf.tie_word_embeddings,
         )
 
     def compress_rate(self, layer_type: str) -> int:
@@ -141,8 +143,6 @@ def check_supported(hf: DeepseekV4Config, where: str = "deepseek_v4 config") -> 
         problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
     if hf.attention_bias or hf.mlp_bias:
         problems.append("attention_bias / mlp_bias")
-    if hf.tie_word_embeddings:
-        problems.append("tie_word_embeddings=True (V4 has a separate output head)")
     if hf.num_attention_heads % hf.o_groups:
         problems.append(f"num_attention_heads={hf.num_attention_heads} not divisible by o_groups={hf.o_groups}")
     rotary = int(hf.head_dim * hf.partial_rotary_factor)

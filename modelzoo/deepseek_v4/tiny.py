@@ -115,8 +115,10 @@ def _layer_shapes(c: dict, prefix: str, layer_type: str, mlp_type: str, kv_norm:
 
 def deepseek_v4_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     hidden, hc, vocab = c["hidden_size"], c["hc_mult"], c["vocab_size"]
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "head.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
               "model.hc_head.hc_fn": (hc, hc * hidden), "model.hc_head.hc_base": (hc,), "model.hc_head.hc_scale": (1,)}
+    if not c.get("tie_word_embeddings"):  # tied: the head is the embedding matrix, not stored
+        shapes["head.weight"] = (vocab, hidden)
     for layer, (layer_type, mlp_type) in enumerate(zip(c["layer_types"], c["mlp_layer_types"])):
         shapes |= _layer_shapes(c, f"model.layers.{layer}", layer_type, mlp_type, kv_norm="norm")
     for k in range(c.get("num_nextn_predict_layers", 0)):

@@ -43,6 +43,7 @@ class LlamaProvider(ModelProvider):
     name = "llama"
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
+    copies_kv_heads = True
 
     @classmethod
     def hf_config_class(cls):
@@ -60,7 +61,8 @@ class LlamaProvider(ModelProvider):
     def build_model(self, config):
         hf = self.hf_config
         return build_gpt_model(config, self.attention, self.padded_vocab_size(), hf.max_position_embeddings,
-                               hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.vocab_size)
+                               hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.num_key_value_heads,
+                               hf.vocab_size)
 
     def mapping(self):
         hf = self.hf_config

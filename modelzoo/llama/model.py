@@ -16,14 +16,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from modelzoo import gpt_call
 from modelzoo.attention import CoreAttention
+from modelzoo.replicated_kv import QKVParallelLinear
 
 
-def llama_layer_spec(attention: str) -> ModuleSpec:
-    """Megatron's local spec (column/row-parallel linears, torch RMSNorm) with our attention kernel."""
+def llama_layer_spec(attention: str, num_kv_heads: int) -> ModuleSpec:
+    """Megatron's local spec (column/row-parallel linears, torch RMSNorm) with our attention kernel, and a
+    linear_qkv that holds copies of the KV heads when they are fewer than the TP ranks."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=CoreAttention, params={"impl": attention}
-    )
+    attention_modules = spec.submodules.self_attention.submodules
+    attention_modules.core_attention = ModuleSpec(module=CoreAttention, params={"impl": attention})
+    attention_modules.linear_qkv = ModuleSpec(module=QKVParallelLinear, params={"num_kv_heads": num_kv_heads})
     return spec
 
 
@@ -54,10 +56,10 @@ class LlamaGPTModel(GPTModel):
 
 
 def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence_length: int,
-                    rope_theta: float, tie_word_embeddings: bool, vocab_size: int) -> LlamaGPTModel:
+                    rope_theta: float, tie_word_embeddings: bool, num_kv_heads: int, vocab_size: int) -> LlamaGPTModel:
     model = LlamaGPTModel(
         config=config,
-        transformer_layer_spec=llama_layer_spec(attention),
+        transformer_layer_spec=llama_layer_spec(attention, num_kv_heads),
         vocab_size=padded_vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",

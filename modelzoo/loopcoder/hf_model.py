@@ -8,7 +8,8 @@ both loops.
     B = causal attention of q2 over k2, v2 at positions t-W+1..t  (local: W = loop_window_size, self included)
     g[t, head] = sigmoid(q2[t, head, :] . Wg_l[head, :] + bg_l[head])
     h += Wo concat_heads(g A + (1 - g) B);  h += MLP(RMSNorm_post(h))
-  Then the final RMSNorm and the untied lm_head. GQA, scale 1/sqrt(head_dim). loop_num=1 is plain Llama.
+  Then the final RMSNorm and the lm_head (the embedding matrix when tie_word_embeddings). GQA, scale 1/sqrt(head_dim).
+  loop_num=1 is plain Llama.
 
 Defects of the official remote code (`modeling_iquestloopcoder.py`) that this implementation avoids:
   - loop 2 reads K1/V1 only from the cache object, so `use_cache=False` (training, gradient checkpointing) fails;
@@ -300,6 +301,8 @@ class IQuestLoopCoderModel(IQuestLoopCoderPreTrainedModel):
 
 
 class IQuestLoopCoderForCausalLM(IQuestLoopCoderPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # tied when config.tie_word_embeddings
+
     def __init__(self, config: IQuestLoopCoderConfig):
         super().__init__(config)
         self.model = IQuestLoopCoderModel(config)

@@ -5,7 +5,7 @@
     loop 2:  for each layer l:  h = layer(h, K1[l], V1[l])
              attention = g * Attn(q2, K1[l], V1[l]) + (1 - g) * SlidingAttn(q2, k2, v2; window W)
              g[t, head] = sigmoid(q2[t, head] . w_l[head] + b_l[head])           # post-RoPE loop-2 query
-    logits = output_layer(final_norm(h))
+    logits = output_layer(final_norm(h))                                          # the embedding matrix if tied
 
 The layers are built from Megatron-Core's parallel pieces (ColumnParallelLinear / RowParallelLinear,
 MLP, the local spec's norm, RotaryEmbedding) with the same module names as GPTModel, so every
@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from modelzoo import gpt_call
 from modelzoo.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
+from modelzoo.replicated_kv import QKVParallelLinear
 from modelzoo.sequences import TokenLayout
 
 LoopKV = tuple[Tensor, Tensor]  # post-RoPE loop-1 keys and values of one layer, [batch, kv_heads, seq, head_dim]
@@ -69,7 +70,7 @@ class LoopGate(torch.nn.Module):
 
 
 class LoopCoderAttention(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.head_dim = config.kv_channels
@@ -80,9 +81,9 @@ class LoopCoderAttention(MegatronModule):
         self.recompute_core_attention = (config.recompute_granularity == "selective"
                                          and "core_attn" in (config.recompute_modules or ["core_attn"]))
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
-        self.linear_qkv = tensor_parallel.ColumnParallelLinear(
+        self.linear_qkv = QKVParallelLinear(  # config.num_query_groups is the TP size when KV heads are copied
             config.hidden_size, qkv_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False)
+            gather_output=False, num_kv_heads=num_kv_heads)
         self.linear_proj = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True)
@@ -123,12 +124,12 @@ class LoopCoderAttention(MegatronModule):
 
 
 class LoopCoderLayer(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
         norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=True)
         self.input_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                             eps=config.layernorm_epsilon)
-        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate)
+        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
         self.pre_mlp_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                               eps=config.layernorm_epsilon)
         self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
@@ -143,10 +144,10 @@ class LoopCoderLayer(MegatronModule):
 
 
 class LoopCoderDecoder(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
-        self.layers = torch.nn.ModuleList(
-            LoopCoderLayer(config, loop_window_size, attention_impl, train_gate) for _ in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(LoopCoderLayer(config, loop_window_size, attention_impl, train_gate,
+                                                         num_kv_heads) for _ in range(config.num_layers))
         norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=False)
         self.final_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
                                             eps=config.layernorm_epsilon)
@@ -186,17 +187,24 @@ class LoopCoderModel(MegatronModule):
     model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model
 
     def __init__(self, config, vocab_size: int, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
-                 loop_num: int, loop_window_size: int, attention_impl: str = "exact", train_gate: bool = False):
+                 loop_num: int, loop_window_size: int, num_kv_heads: int, attention_impl: str = "exact",
+                 train_gate: bool = False, tie_word_embeddings: bool = False):
         super().__init__(config)
         self.loop_num, self.vocab_size, self.max_sequence_length = loop_num, vocab_size, max_sequence_length
+        self.share_embeddings_and_output_weights = tie_word_embeddings
         self.embedding = LanguageModelEmbedding(config, padded_vocab_size, max_sequence_length,
                                                 position_embedding_type="none")
         self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rope_theta,
                                               use_cpu_initialization=config.use_cpu_initialization)
-        self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate)
+        self.decoder = LoopCoderDecoder(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
+        # tied: the output layer has no weight of its own and is handed the embedding matrix (as GPTModel does)
         self.output_layer = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False)
+            gather_output=False, skip_weight_param_allocation=tie_word_embeddings)
+        if tie_word_embeddings:
+            # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
+            # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's schedules hand each pipeline stage its input; LoopCoder is one stage, whose input is None."""
@@ -216,6 +224,7 @@ class LoopCoderModel(MegatronModule):
         hidden = decoder_input if decoder_input is not None else self.embedding(input_ids, None)  # [seq, batch, hidden]
         rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
         hidden = self.decoder(hidden, rotary, self.loop_num, layout)
-        logits, _ = self.output_layer(hidden)
+        output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=output_weight)
         return gpt_call.language_model_output(logits.transpose(0, 1), labels, self.vocab_size, runtime_gather_output)
 

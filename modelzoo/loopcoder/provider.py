@@ -16,6 +16,7 @@ class LoopCoderProvider(ModelProvider):
     name = "loopcoder"
     hf_model_types = ("iquestloopcoder",)
     hf_architectures = ("IQuestLoopCoderForCausalLM",)
+    copies_kv_heads = True
 
     def __init__(self, hf_config, hf_dir=None, train_gate: bool = False, **overrides):
         self.train_gate = train_gate
@@ -53,7 +54,8 @@ class LoopCoderProvider(ModelProvider):
         hf = self.hf_config
         return LoopCoderModel(config, hf.vocab_size, self.padded_vocab_size(), hf.max_position_embeddings,
                               hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,
-                              attention_impl=self.attention, train_gate=self.train_gate)
+                              hf.num_key_value_heads, attention_impl=self.attention, train_gate=self.train_gate,
+                              tie_word_embeddings=hf.tie_word_embeddings)
 
     def mapping(self):
         hf = self.hf_config

@@ -25,7 +25,7 @@ from conversion.megatron_ckpt import rank
 from conversion.megatron_ckpt import save_sharded_state
 from conversion.safetensors_io import CheckpointError
 from modelzoo import runtime
-from modelzoo.lora.export import lora_config, save_adapter
+from modelzoo.lora.export import NAMINGS, lora_config, save_adapter
 from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like
 
 METADATA_FILE = "lora.json"
@@ -175,7 +175,8 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
     return loaded["step"]
 
 
-def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, metadata: dict) -> None:
+def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, metadata: dict,
+                         naming: str) -> None:
     from modelzoo.registry import build_provider
 
     with runtime.parallel(tp=tp):
@@ -183,14 +184,17 @@ def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, 
         model = provider.provide()  # the base weights are not needed: only the adapters are written
         apply_lora(model, provider, LoRAConfig(**metadata["lora"]))
         load_adapter_checkpoint(model, checkpoint_dir)
-        save_adapter(model, provider, out_dir)
+        save_adapter(model, provider, out_dir, naming)
 
 
 def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
-                   base_dir: str | Path | None = None) -> dict:
-    """`modelzoo export-adapter`: a LoRA training checkpoint -> a PEFT adapter folder, on `tp` ranks."""
+                   base_dir: str | Path | None = None, naming: str = "transformers") -> dict:
+    """`modelzoo export-adapter`: a LoRA training checkpoint -> a PEFT adapter folder, on `tp` ranks; `naming`:
+    "transformers" (the HF model class's module names, what peft loads onto) or "release" (the checkpoint's)."""
     from modelzoo.registry import build_provider
 
+    if naming not in NAMINGS:
+        raise ValueError(f"adapter naming {naming!r} is not one of {NAMINGS}")
     metadata = read_checkpoint_metadata(checkpoint_dir)
     base = base_dir if base_dir is not None else metadata["base"]
     if base is None:
@@ -202,5 +206,5 @@ def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
         raise ValueError(f"{checkpoint_dir} holds {metadata['architecture']} adapters; {base} is a "
                          f"{provider.name} model")
     provider.check_parallel_layout(tp)
-    runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata)
+    runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata, naming)
     return {"architecture": provider.name, "step": metadata["step"], "output": str(out_dir)}

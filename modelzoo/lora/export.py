@@ -5,18 +5,24 @@ must iterate), and go through the architecture's weight mapping, so a fused laye
 the same transform that splits its weight. A fused layer's projections share A: PEFT gets a copy per projection.
 
     merged W_p = W_p + (alpha / r) B_p A        in fp32 from the frozen base, cast to the base dtype once
+
+Adapter names (`naming`): "transformers" (default) names each adapted module as the architecture's HF model class
+does, which is what peft looks up; "release" names it as the checkpoint names its weight. They differ where
+transformers renames checkpoint names on load (DeepSeek-V4: `attn.wq_a` is the module `self_attn.q_a_proj`);
+a target table says so per target (`Target.transformers`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
 
 from conversion import engine, megatron_ckpt
+from conversion.mapping import compile_pattern, fill_pattern
 from conversion.safetensors_io import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
 from modelzoo.lora.targets import projections, target_table
@@ -24,6 +30,7 @@ from modelzoo.lora.targets import projections, target_table
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+NAMINGS = ("transformers", "release")
 
 
 def _factors(layer: LoRALayer, rule) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -54,16 +61,41 @@ def export_merged_hf_weights(model: torch.nn.Module, provider) -> Iterator[tuple
     return engine.export_hf_weights(model, provider.mapping(), edit=merge)
 
 
-def adapter_hf_weights(model: torch.nn.Module, provider) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream `(peft_name, full tensor)`: `base_model.model.<hf module>.lora_{A,B}.weight` for every adapted
-    projection, in PEFT's layout (A [r, in], B [out, r]; scaling alpha/r is applied by the loader)."""
+def module_namer(provider, naming: str = "transformers") -> Callable[[str], str]:
+    """checkpoint module name (a weight's name without `.weight`) -> the adapter's name for that module."""
+    if naming not in NAMINGS:
+        raise ValueError(f"adapter naming {naming!r} is not one of {NAMINGS}")
     mapping = provider.mapping()
+    renames = []
+    for target in target_table(provider.name).targets if naming == "transformers" else ():
+        if target.transformers is not None:
+            checkpoint_modules = projections(mapping, target.module)
+            if len(checkpoint_modules) != 1:
+                raise ValueError(f"{provider.name} LoRA target table: {target.module} has {len(checkpoint_modules)} "
+                                 f"projections; `transformers` names the module of a one-projection target")
+            renames.append((compile_pattern(checkpoint_modules[0]), target.transformers))
+
+    def name(module: str) -> str:
+        for pattern, transformers_module in renames:
+            if match := pattern.match(module):
+                return fill_pattern(transformers_module, match.groups())
+        return module
+
+    return name
+
+
+def adapter_hf_weights(model: torch.nn.Module, provider, naming: str = "transformers"
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(peft_name, full tensor)`: `base_model.model.<module>.lora_{A,B}.weight` for every adapted
+    projection, in PEFT's layout (A [r, in], B [out, r]; scaling alpha/r is applied by the loader); modules
+    named as `naming` says (module docstring)."""
+    mapping, module_name = provider.mapping(), module_namer(provider, naming)
     for name, layer in lora_layers(model):
         rule, indices = mapping.for_megatron(f"{name}.weight")
         a, b_parts = _factors(layer, rule)
         hf_names = rule.hf_names(indices)
         for index in layer.lora.projections:
-            module = PEFT_PREFIX + _module(hf_names[index])
+            module = PEFT_PREFIX + module_name(_module(hf_names[index]))
             yield f"{module}.lora_A.weight", a.contiguous()
             yield f"{module}.lora_B.weight", b_parts[index].contiguous()
 
@@ -75,22 +107,37 @@ def lora_config(model: torch.nn.Module) -> LoRAConfig:
     return configs.pop()
 
 
-def peft_config(model: torch.nn.Module, provider) -> dict:
-    """adapter_config.json of the model's adapters (HF PEFT `LoraConfig` fields).
+def hf_model_modules(provider) -> set[str]:
+    """Module names of the architecture's HF model class, built from the config on the meta device (no memory)."""
+    with torch.device("meta"):
+        hf_model = provider.hf_model_class()(provider.hf_config)
+    return {name for name, _ in hf_model.named_modules()}
 
-    `target_modules` are leaf names (`q_proj`) where every HF module with that leaf is adapted, else the full
-    module names, so PEFT adapts exactly what the file holds. `packed_modules_mapping` documents the serving
-    engine's fused modules (vLLM): PEFT ignores it with a warning, vLLM reads only the fields it knows.
+
+def peft_config(model: torch.nn.Module, provider, naming: str = "transformers") -> dict:
+    """adapter_config.json of the model's adapters (HF PEFT `LoraConfig` fields), modules named as `naming` says.
+
+    `target_modules` are leaf names (`q_proj`) where every module with that leaf (of the HF model class, or of
+    the checkpoint for "release") is adapted, else the full module names, so PEFT adapts exactly what the file
+    holds. `packed_modules_mapping` documents the serving engine's fused modules (vLLM): PEFT ignores it with a
+    warning, vLLM reads only the fields it knows.
     """
     config = lora_config(model)
-    mapping = provider.mapping()
-    base_names = engine.megatron_tensors(model)  # adapters are not among them
-    hf_modules = {_module(hf) for names in mapping.hf_names_for(base_names).values() for hf in names
-                  if hf.endswith(".weight")}
+    mapping, module_name = provider.mapping(), module_namer(provider, naming)
     adapted = set()
     for name, layer in lora_layers(model):
         rule, indices = mapping.for_megatron(f"{name}.weight")
-        adapted.update(_module(rule.hf_names(indices)[i]) for i in layer.lora.projections)
+        adapted.update(module_name(_module(rule.hf_names(indices)[i])) for i in layer.lora.projections)
+    if naming == "transformers":
+        hf_modules = hf_model_modules(provider)
+        absent = sorted(adapted - hf_modules)
+        if absent:
+            raise ValueError(f"{provider.name} LoRA target table: {provider.hf_model_class().__name__} has no "
+                             f"module {absent[0]} (set the target's `transformers` name)")
+    else:
+        base_names = engine.megatron_tensors(model)  # adapters are not among them
+        hf_modules = {_module(hf) for names in mapping.hf_names_for(base_names).values() for hf in names
+                      if hf.endswith(".weight")}
     targets = set()
     for leaf in {_leaf(module) for module in adapted}:
         same_leaf = {module for module in hf_modules if _leaf(module) == leaf}
@@ -124,13 +171,13 @@ def _leaf(module: str) -> str:
     return module.rsplit(".", 1)[-1]
 
 
-def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path) -> Path:
-    """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT layout) atomically. Collective: every rank
-    calls it, rank 0 writes; an existing `out_dir` is refused."""
+def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: str = "transformers") -> Path:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT layout) atomically, modules named as `naming`
+    says. Collective: every rank calls it, rank 0 writes; an existing `out_dir` is refused."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    tensors = adapter_hf_weights(model, provider)
+    tensors = adapter_hf_weights(model, provider, naming)
     if megatron_ckpt.rank() != 0:
         for _ in tensors:  # take part in the gathers
             pass
@@ -138,5 +185,6 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path) -> Path:
     collected = {name: tensor.clone() for name, tensor in tensors}  # a fused layer's projections share one A
     with staged_folder(out_dir) as staging:
         save_file(collected, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config(model, provider), indent=2, sort_keys=True) + "\n")
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config(model, provider, naming), indent=2,
+                                                         sort_keys=True) + "\n")
     return out_dir

@@ -225,6 +225,9 @@ def _kind(module: nn.Module, name: str) -> str:
         if module.weight is None or module.gather_output or module.sequence_parallel or module.explicit_expert_comm:
             raise refuse("only an owned weight, gather_output=False, no sequence parallelism and no expert "
                          "communication are supported")
+        if getattr(module, "kv_copies", 1) > 1:
+            raise refuse("its key/value rows are copies of fewer KV heads than tensor-parallel ranks, which B's "
+                         "rows would not stay; adapt it at a TP size that divides the KV heads")
         return COLUMN
     weight = getattr(module, "weight", None)
     if isinstance(weight, nn.Parameter) and weight.dim() == 2 and not getattr(weight, "tensor_model_parallel", False):

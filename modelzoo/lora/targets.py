@@ -33,6 +33,9 @@ class Target:
     module: str                     # Megatron module path, `*` for a layer index
     aliases: tuple[str, ...] = ()   # extra names for the whole module, matched before any derived name
     packed_as: str | None = None    # the serving engine's name for this fused module (vLLM packed_modules_mapping)
+    # the HF model's module of this (one-projection) target where the checkpoint names its weight otherwise
+    # (transformers renames some checkpoint names on load): the PEFT adapter's name, which peft looks up in the model
+    transformers: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,3 +110,76 @@ def test_cli_round_trip_of_another_quantisers_release_is_byte_exact(tmp_path):
     for name, tensor in release.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name].view(torch.uint8),
                                                                     tensor.view(torch.uint8)), name
+
+
+# --- a checkpoint written by transformers' save_pretrained: no mtp.* tensors, num_nextn_predict_layers kept ----------
+NO_MTP_WARNING = "has no mtp.* tensors although its config.json sets num_nextn_predict_layers=1"
+
+
+@pytest.fixture(scope="module")
+def saved_by_transformers(tmp_path_factory):
+    import json
+
+    from transformers import DeepseekV4ForCausalLM
+
+    folder = tmp_path_factory.mktemp("saved-by-transformers") / "checkpoint"
+    DeepseekV4ForCausalLM.from_pretrained(DEEPSEEK_V4, dtype=torch.float32).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not any(name.startswith("mtp.") for name in load_file(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_checkpoint_without_mtp_round_trips_through_torch_dist_with_one_warning(saved_by_transformers, tmp_path, capfd):
+    assert main(["import", str(saved_by_transformers), str(tmp_path / "megatron"), "--tp", "2"]) == 0
+    assert main(["export", str(tmp_path / "megatron"), str(tmp_path / "hf")]) == 0
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "mtp" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"deepseek_v4: {saved_by_transformers} {NO_MTP_WARNING}")
+    original, exported = load_file(saved_by_transformers / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+
+
+def test_logprobs_of_a_checkpoint_without_mtp_match_transformers(saved_by_transformers, tmp_path, caplog):
+    import json
+
+    from dsv4_helpers import hf_model, hf_token_logprobs, random_tokens
+
+    ids = random_tokens(batch=1, seq=48)
+    (tmp_path / "tokens.json").write_text(json.dumps(ids.tolist()))
+    assert main(["logprobs", str(saved_by_transformers), "--tokens", str(tmp_path / "tokens.json"),
+                 "--out", str(tmp_path / "out.json")]) == 0
+    ours = torch.tensor(json.loads((tmp_path / "out.json").read_text())["logprobs"])
+    with torch.no_grad():
+        reference = hf_token_logprobs(hf_model(saved_by_transformers), ids)
+    assert (ours - reference).abs().max().item() <= 1e-4  # LOGPROB_TOLERANCE of tests/deepseek_v4/test_model.py
+    assert [record.levelname for record in caplog.records if NO_MTP_WARNING in record.getMessage()] == ["WARNING"]
+
+
+@pytest.mark.parametrize("command", ["import", "logprobs", "parity"])
+def test_require_mtp_refuses_a_checkpoint_without_mtp(saved_by_transformers, tmp_path, capsys, command):
+    out = tmp_path / "out"
+    extra = {"import": [str(out)], "logprobs": ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)],
+             "parity": []}[command]
+    (tmp_path / "tokens.json").write_text("[[1, 2, 3]]")
+    assert main([command, str(saved_by_transformers), *extra, "--require-mtp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"modelzoo: error: {saved_by_transformers}: missing tensors mtp.0.") and "\n" not in err
+    assert not out.exists()
+
+
+def test_the_provider_keyword_require_mtp(saved_by_transformers):
+    from conversion.mapping import MappingError
+    from modelzoo import build_provider, runtime
+
+    with runtime.parallel():
+        without = build_provider(saved_by_transformers)
+        model = without.provide()
+        without.load_hf_weights(model, progress=False)
+        assert model.mtp is None and without.model_options() == {"build_mtp": False}
+        required = build_provider(saved_by_transformers, require_mtp=True)
+        assert required.model_options() == {}
+        with pytest.raises(MappingError, match="missing tensors mtp.0."):
+            required.load_hf_weights(required.provide(), progress=False)
+        with pytest.raises(ValueError, match="mtp_loss_scale > 0 needs MTP layers, and .* has no mtp.. tensors"):
+            build_provider(saved_by_transformers, mtp_loss_scale=0.3)
+        assert build_provider(DEEPSEEK_V4).build_mtp  # the shipped tiny has its MTP tensors

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dsv4_helpers import provider_for, random_tokens
+from dsv4_helpers import hf_token_logprobs, provider_for, random_tokens
 
 from modelzoo import lora, runtime
 from modelzoo.lora.layers import COLUMN, REPLICATED, ROW
@@ -29,6 +29,7 @@ from modelzoo.lora.layers import COLUMN, REPLICATED, ROW
 TINY = Path(__file__).resolve().parents[2] / "tiny_checkpoints" / "deepseek-v4-tiny"
 MERGE_TOLERANCE = 1e-5
 MIN_ADAPTER_EFFECT = 1e-3
+PEFT_TOLERANCE = 1e-5
 TP_TOLERANCE = 1e-5
 CONFIG = lora.LoRAConfig(targets=("all-linear",), rank=4, alpha=8.0)
 LAYERS = 4  # deepseek-v4-tiny: sliding, CSA, HCA, CSA; the MTP block is not adapted
@@ -81,6 +82,9 @@ def _scenario(rank: int, tp: int, workdir: str) -> dict:
         zero_logits = provider.gathered_logits(model, ids)
         set_nonzero_B(model)
         adapter_logits = provider.gathered_logits(model, ids)
+        with torch.no_grad():
+            adapter_logprobs = provider.token_logprobs(model, ids)
+        lora.save_training_checkpoint(model, provider, Path(workdir) / f"checkpoint-tp{tp}")
 
         merged = dict(lora.export_merged_hf_weights(model, provider))
         folder = Path(workdir) / f"merged-tp{tp}"
@@ -94,7 +98,8 @@ def _scenario(rank: int, tp: int, workdir: str) -> dict:
         merged_logits = provider.gathered_logits(merged_model, ids)
         return dict(
             adapted=adapted, layouts=layouts, base_logits=base_logits, zero_logits=zero_logits,
-            adapter_logits=adapter_logits, merged_logits=merged_logits,
+            adapter_logits=adapter_logits, merged_logits=merged_logits, adapter_logprobs=adapter_logprobs,
+            ids=ids, checkpoint=str(Path(workdir) / f"checkpoint-tp{tp}"),
             export_names=(list(base_export), list(merged)),
             changed=sorted(name for name in merged if not torch.equal(merged[name], base_export[name])),
             dtypes_kept=all(merged[name].dtype == base_export[name].dtype for name in merged))
@@ -162,6 +167,56 @@ def test_the_adapter_is_the_same_at_tp1_and_tp2(run_at):
     adapter_gap = (tp1["adapter_logits"] - tp2["adapter_logits"]).abs().max().item()
     print(f"TP1 vs TP2 max |logit diff|: base {base_gap:.2e}, adapted {adapter_gap:.2e}")
     assert base_gap <= TP_TOLERANCE and adapter_gap <= TP_TOLERANCE, (base_gap, adapter_gap)
+
+
+def test_exported_adapter_loads_with_peft_onto_transformers_model_and_gives_our_logprobs(run_at, tmp_path):
+    # PEFT_TOLERANCE = 1e-5 on fp32 log-probabilities: the same math as ours in transformers' order (the base
+    # models agree to ~1e-6); the adapter moves them by > MIN_ADAPTER_EFFECT, a missing or misnamed one by that much
+    import warnings
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import DeepseekV4ForCausalLM
+
+    from conversion.cli import main
+
+    result = run_at(2)
+    assert main(["export-adapter", result["checkpoint"], str(tmp_path / "adapter")]) == 0  # default: transformers
+    base = DeepseekV4ForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    ids = result["ids"]
+    with torch.no_grad():
+        base_logprobs = hf_token_logprobs(base, ids)
+        with warnings.catch_warnings():  # adapter_config.json's packed_modules_mapping is for vLLM; PEFT warns
+            warnings.simplefilter("ignore")
+            model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        peft_logprobs = hf_token_logprobs(model, ids)
+    # peft adapted exactly the file's modules: every tensor found its place, and no module got an adapter of its own
+    adapters = {name.replace(".default", "") for name in model.state_dict() if ".lora_" in name}
+    assert adapters == set(load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert (peft_logprobs - base_logprobs).abs().max().item() > MIN_ADAPTER_EFFECT
+    gap = (peft_logprobs - result["adapter_logprobs"]).abs().max().item()
+    print(f"peft on transformers vs ours (TP 2) max |logprob diff| {gap:.2e}")
+    assert gap <= PEFT_TOLERANCE
+
+
+def test_release_naming_names_the_checkpoints_weights_and_the_default_transformers_modules(run_at, tmp_path):
+    from safetensors.torch import load_file
+
+    from conversion.cli import main
+
+    def adapted_modules(*naming) -> list[str]:
+        adapter = tmp_path / "-".join(("adapter", *naming))
+        assert main(["export-adapter", run_at(1)["checkpoint"], str(adapter), *naming]) == 0
+        return sorted({name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+                       for name in load_file(adapter / "adapter_model.safetensors")})
+
+    assert [f"{module}.weight" for module in adapted_modules("--naming", "release")] == ADAPTED_HF
+    transformers = {"attn.wq_a": "self_attn.q_a_proj", "attn.wq_b": "self_attn.q_b_proj", "attn.wkv": "self_attn.kv_proj",
+                    "attn.wo_b": "self_attn.o_b_proj", "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+                    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+                    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj"}
+    assert adapted_modules() == sorted(f"model.layers.{n}.{transformers[leaf]}"
+                                       for n in range(LAYERS) for _, leaf in ADAPTED.values())
 
 
 # --- names: no model run -------------------------------------------------------------------------------

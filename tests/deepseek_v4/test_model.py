@@ -12,6 +12,7 @@ import pytest
 import torch
 from dsv4_helpers import (
     hf_logprobs_and_grads,
+    hf_token_logprobs,
     max_diff,
     megatron_grads_as_hf,
     provider_for,
@@ -92,3 +93,26 @@ def test_cuda_graph_capture_on_cpu_is_refused_and_the_model_still_runs(tiny):
         assert model.layer_graphs is None
         with torch.no_grad():
             assert torch.isfinite(provider.token_logprobs(model, ids)).all()
+
+
+def test_swiglu_limit_zero_means_no_clamp_as_in_deepseeks_inference_code(tmp_path):
+    """DeepSeek's inference code clamps only `if swiglu_limit > 0`; transformers clamps at 0 too, zeroing every
+    expert. Oracle: transformers with the clamp out of reach (a limit of 1e30 clamps no finite activation)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    folder = write_tiny(tmp_path / "limit0", swiglu_limit=0.0)
+    ids = random_tokens(seed=7)
+
+    def transformers_logprobs(**config):
+        model = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, **config).eval()
+        with torch.no_grad():
+            return hf_token_logprobs(model, ids)
+
+    unclamped, clamped_at_zero = transformers_logprobs(swiglu_limit=1e30), transformers_logprobs()
+    with runtime.parallel(), torch.no_grad():
+        provider = provider_for(folder)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        ours = provider.token_logprobs(model.eval(), ids)
+    assert max_diff(ours, unclamped) <= LOGPROB_TOLERANCE
+    assert max_diff(ours, clamped_at_zero) > 1e-2  # transformers' literal reading: experts contribute nothing

@@ -2,7 +2,7 @@
 
     streams = embed(ids) copied to hc_mult streams                   VocabParallelEmbedding
     for each layer:  streams = hc(attention) ; streams = hc(MoE)     decoder.layers.N
-    x = final_norm(hc_head(streams)); logits = output_layer(x)       vocab-parallel logits
+    x = final_norm(hc_head(streams)); logits = output_layer(x)       vocab-parallel logits (embedding matrix if tied)
     [mtp: next-token-after-next heads on the final streams]          mtp.layers.K
 
 Tensors are batch-first [B, S, ...] throughout, like transformers, so that the parity path runs
@@ -87,9 +87,14 @@ class DeepseekV4Model(MegatronModule):
         self.embedding.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config)
         self.decoder = DeepseekV4Decoder(config, args, attention)
+        # tied: no weight of its own, the embedding matrix is handed to it (as GPTModel does)
         self.output_layer = ColumnParallelLinear(
             args.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
-            gather_output=False)
+            gather_output=False, skip_weight_param_allocation=args.tie_word_embeddings)
+        if args.tie_word_embeddings:
+            # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
+            # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
         self.mtp = DeepseekV4MTP(config, args, attention, args.num_mtp_layers if build_mtp else 0)
         # The language-model loss reaches neither the indexers (a top-k of indices: DeepSeek trains them with a
         # loss of their own, not implemented here) nor the MTP layers unless their loss is on. Frozen, they are
@@ -177,7 +182,8 @@ class DeepseekV4Model(MegatronModule):
         return self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
 
     def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm) -> torch.Tensor:
-        logits, _ = self.output_layer(final_layernorm(hc_head(streams)))
+        weight = self.embedding.word_embeddings.weight if self.args.tie_word_embeddings else None
+        logits, _ = self.output_layer(final_layernorm(hc_head(streams)), weight=weight)
         return logits
 
     def set_input_tensor(self, input_tensor) -> None:

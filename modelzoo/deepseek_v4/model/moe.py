@@ -5,7 +5,7 @@
             | tid2eid[input_ids]                 ("hash_moe" layers: a frozen token -> experts table)
     weights = scores[experts] / sum * routed_scaling_factor
     y       = sum_k weights_k * expert_k(x) + shared_expert(x)
-    expert(x) = w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))
+    expert(x) = w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))    (no clamp when limit <= 0)
 
 Parallelism. Router and tid2eid: replicated. Shared expert: Megatron column/row-parallel over TP.
 Routed experts (`RoutedExperts`, our own grouped module): expert parallelism over Megatron's
@@ -387,7 +387,11 @@ class SharedExpert(nn.Module):
 
 @fused
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """silu(min(gate, limit)) * clamp(up, -limit, limit). A limit <= 0 means no clamp, as in DeepSeek's own
+    inference code (`if self.swiglu_limit > 0`); transformers clamps at it anyway, so at 0 every expert is zero."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 class DeepseekV4MoE(nn.Module):
