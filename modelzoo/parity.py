@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from conversion import engine, validation
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 
@@ -22,15 +23,35 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch
     return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
+def check_before_building(provider, read_values: bool = False) -> None:
+    """What `modelzoo import` checks before it writes, here before a model is built: the checkpoint's
+    tensor names, shapes and kinds of dtype against the model the config describes, on the meta device,
+    so that a config claiming more than its checkpoint holds is refused, not allocated. `read_values`:
+    also read every tensor through the mapping, refusing NaN or infinite weights unless allowed (a
+    Megatron load does so as it goes; a transformers load does not)."""
+    skeleton = provider.provide_skeleton()
+    reader = provider.checkpoint_reader(provider.hf_dir)
+    try:
+        weights = engine.hf_weights(skeleton, provider.mapping(), reader)
+        if read_values:
+            for name in engine.megatron_tensors(skeleton):
+                weights(name)
+    finally:
+        reader.close()
+
+
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
     provider = build_provider(hf_dir)
     return provider.hf_model_class().from_pretrained(hf_dir, dtype=dtype).eval()
 
 
 @torch.no_grad()
-def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32,
+               allow_non_finite: bool = False):
     """For each batch of token ids: (token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model
-    (full-sequence forward); the model is loaded once for all batches."""
+    (full-sequence forward); the model is loaded once for all batches, once the checkpoint is checked."""
+    with runtime.parallel(), validation.non_finite_allowed(allow_non_finite):
+        check_before_building(build_provider(hf_dir), read_values=True)
     model = load_hf_model(hf_dir, dtype).to(runtime.device())
     outputs = []
     for input_ids in batches:
@@ -40,9 +61,10 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
-                   attention: str, with_logits: bool):
-    with runtime.parallel(tp=tp, ep=ep):
+                   attention: str, with_logits: bool, allow_non_finite: bool):
+    with runtime.parallel(tp=tp, ep=ep), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False)
+        check_before_building(provider)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
@@ -57,10 +79,12 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
-                     attention: str = "exact", with_logits: bool = True, ep: int = 1):
+                     attention: str = "exact", with_logits: bool = True, ep: int = 1, allow_non_finite: bool = False):
     """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
-    them; the model is built and loaded once for all batches.
+    them; the model is built and loaded once for all batches. `allow_non_finite`: load NaN or infinite
+    weights rather than refuse them.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
-    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits)[0]
+    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
+                       allow_non_finite)[0]
