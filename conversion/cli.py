@@ -88,11 +88,9 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
     with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
           validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name])
-        # streamed: the model is never built, each tensor is read, sharded and written in turn
-        skeleton = provider.provide_skeleton()
-        reader = provider.checkpoint_reader(Path(hf_dir), naming)
         config = Path(hf_dir) / "config.json"
         retyped_config = _config_with_dtype(config, dtype_name)
+        reader = provider.checkpoint_reader(Path(hf_dir), naming)
 
         def write_hf_side(folder: Path) -> None:
             if retyped_config is not None:
@@ -100,6 +98,9 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
             keep_source_scales(reader, folder)
 
         try:
+            validation.check_layer_count(provider.hf_config, reader)
+            # streamed: the model is never built, each tensor is read, sharded and written in turn
+            skeleton = provider.provide_skeleton()
             weights = engine.hf_weights(skeleton, provider.mapping(), reader)
             side_files = [Path(hf_dir) / name for name in TOKENIZER_FILES if (Path(hf_dir) / name).exists()]
             side_files += [config] if retyped_config is None else []
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelzoo: parity failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as error:
-        print(f"modelzoo: {error or 'interrupted'}; nothing was written", file=sys.stderr)
+        # on a line of its own: after the terminal's ^C, or a progress bar of a rank that was stopped
+        print(f"\nmodelzoo: {error or 'interrupted'}; nothing was written", file=sys.stderr)
         return 128 + (signal.SIGTERM if str(error) == "terminated" else signal.SIGINT)
     finally:
         if in_main_thread:

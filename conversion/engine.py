@@ -126,12 +126,12 @@ def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: Checkp
     table.check_coverage(megatron_tensors(model), reader.names(), where=str(reader.folder))
     for name, tensor in expected_hf_tensors(model, table).items():
         info = reader.tensors[name]
-        if info.shape != tuple(tensor.shape):
-            raise MappingError(f"{info.file}: tensor {name} has shape {list(info.shape)}, the model expects "
-                               f"{list(tensor.shape)}")
         if info.dtype.is_floating_point != tensor.dtype.is_floating_point:
             raise MappingError(f"{info.file}: tensor {name} is stored as {info.dtype}, the model expects "
                                f"{'a floating-point' if tensor.dtype.is_floating_point else 'an integer'} tensor")
+        if info.shape != tuple(tensor.shape):
+            raise MappingError(f"{info.file}: tensor {name} has shape {list(info.shape)}, the model expects "
+                               f"{list(tensor.shape)}")
 
 
 def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> RowBlocks:

@@ -320,7 +320,8 @@ def _is_int(value) -> bool:
 
 def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int, int]]]:
     """Parse and validate a safetensors header, as the safetensors library does: every entry a known dtype,
-    a shape and a byte range in the data section whose size is the shape's, no two ranges overlapping.
+    a shape and a byte range in the data section whose size is the shape's, the ranges filling the data
+    section one after the other.
 
     Returns every tensor's `TensorInfo` and its (file offset, bytes)."""
     try:
@@ -372,11 +373,16 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
                                   f"need {expected}")
         tensors[name] = TensorInfo(path, tuple(shape), dtype)
         spans[name] = (8 + header_length + begin, end - begin)
-    ranges = sorted((begin - 8 - header_length, begin - 8 - header_length + length, name)
-                    for name, (begin, length) in spans.items() if length)
-    for (_, end, name), (begin, _, following) in zip(ranges, ranges[1:]):
+    # the tensors fill the data section one after the other, as the safetensors library requires
+    end, previous = 0, None
+    for begin, length, name in sorted((begin - 8 - header_length, length, name) for name, (begin, length) in spans.items()):
         if begin < end:
-            raise CheckpointError(f"{path}: tensors {name} and {following} overlap (bytes {begin} to {end})")
+            raise CheckpointError(f"{path}: tensors {previous} and {name} overlap (bytes {begin} to {end})")
+        if begin > end:
+            raise CheckpointError(f"{path}: bytes {end} to {begin} of its data section belong to no tensor")
+        end, previous = begin + length, name
+    if end != data_size:
+        raise CheckpointError(f"{path}: bytes {end} to {data_size} of its data section belong to no tensor")
     return tensors, spans
 
 

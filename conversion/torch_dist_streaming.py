@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import traceback
 from collections.abc import Callable, Iterator
 
 import numpy
@@ -216,8 +217,9 @@ class CopyingStream:
         try:
             if self.source is not None:
                 address, size, blocks, what = self.source
-                view = memoryview(data)
-                if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
+                with memoryview(data) as view:
+                    ours = view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address
+                if ours:
                     self.copier.write(self.file, blocks, what)
                     self.source = None
                     return size
@@ -278,10 +280,15 @@ def streaming_save_strategy(data: ParameterData | None):
                 try:
                     for item in items:
                         results.append(self._write(stream, planner.resolve_data(item), item, file_name))
-                except RuntimeError:
-                    if stream.error is not None:  # what made torch's zip writer fail
-                        raise stream.error from None
-                    raise
+                except BaseException as error:
+                    # torch's DCP keeps the error, and so the frames it came through, in a reference cycle;
+                    # those frames hold what torch was writing (a memoryview of a BytesIO), and CPython
+                    # 3.12's garbage collector may clear that after the BytesIO, and crash: let go of it now
+                    traceback.clear_frames(error.__traceback__)
+                    if not isinstance(error, RuntimeError) or stream.error is None:
+                        raise
+                    traceback.clear_frames(stream.error.__traceback__)
+                    raise stream.error from None  # what made torch's zip writer fail
             future = Future()
             future.set_result(results)
             return future

@@ -89,6 +89,16 @@ def check_config(config: dict, config_class: type, where: str) -> None:
             raise ValueError(f"{where}: {name} is {value!r}; it must not be negative")
 
 
+def check_layer_count(hf_config, reader) -> None:
+    """Every layer has weights of its own in the checkpoint: a config claiming more layers than the checkpoint
+    holds tensors is refused before a model of them is built (building even an empty one takes time and
+    memory per layer)."""
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > len(reader.names()):
+        raise CheckpointError(f"{reader.folder}: its config.json claims {layers} layers (num_hidden_layers), "
+                              f"its weights hold {len(reader.names())} tensors in all")
+
+
 # --- weights ----------------------------------------------------------------------------------------
 _non_finite_allowed = contextvars.ContextVar("non_finite_allowed", default=False)
 

@@ -29,9 +29,10 @@ def check_before_building(provider, read_values: bool = False) -> None:
     so that a config claiming more than its checkpoint holds is refused, not allocated. `read_values`:
     also read every tensor through the mapping, refusing NaN or infinite weights unless allowed (a
     Megatron load does so as it goes; a transformers load does not)."""
-    skeleton = provider.provide_skeleton()
     reader = provider.checkpoint_reader(provider.hf_dir)
     try:
+        validation.check_layer_count(provider.hf_config, reader)
+        skeleton = provider.provide_skeleton()
         weights = engine.hf_weights(skeleton, provider.mapping(), reader)
         if read_values:
             for name in engine.megatron_tensors(skeleton):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from modelzoo import cpu_compat
 
@@ -198,6 +199,9 @@ def _interrupt_on_sigterm(signum, frame):
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGTERM, _interrupt_on_sigterm)  # unwinds like Ctrl-C: its staging folders go
+    # tqdm's default lock is a multiprocessing semaphore, which a rank killed mid-run leaves to the resource
+    # tracker (a warning at exit); the ranks' bars need no lock across processes
+    tqdm.set_lock(threading.RLock())
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
