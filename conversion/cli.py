@@ -98,7 +98,7 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
             keep_source_scales(reader, folder)
 
         try:
-            validation.check_layer_count(provider.hf_config, reader)
+            validation.check_config_fits(provider.hf_config, reader)
             # streamed: the model is never built, each tensor is read, sharded and written in turn
             skeleton = provider.provide_skeleton()
             weights = engine.hf_weights(skeleton, provider.mapping(), reader)

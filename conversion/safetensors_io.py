@@ -352,8 +352,8 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
                 raise CheckpointError(f"{path}: its __metadata__ must map names to strings")
             continue
         where = f"{path}: tensor {name}"
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise CheckpointError(f"{where}: its entry must have exactly dtype, shape and data_offsets")
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise CheckpointError(f"{where}: its entry must have a dtype, a shape and data_offsets")
         dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
             raise CheckpointError(f"{where} has unsupported dtype {entry['dtype']!r}")

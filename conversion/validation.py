@@ -2,9 +2,11 @@
 
 `check_config`: every config.json value has the type its config class declares (an integer where an
 integer is required: JSON `2.5`, `"2"` and `true` are not), numbers are finite (Python's JSON reader
-takes `NaN` and `Infinity`), sizes and counts are not negative, the model's dimensions
-(`POSITIVE_FIELDS`) are at least 1, and norm epsilons (`*_eps`) and RoPE bases (`*rope_theta`) are
-above 0. Token ids (`*_token_id`) may be negative: -1 is a common "none".
+takes `NaN` and `Infinity`) and integers fit 64 bits, sizes and counts are not negative, the model's
+dimensions (`POSITIVE_FIELDS`) are at least 1, the attention heads a multiple of the key/value heads, and
+norm epsilons (`*_eps`) and RoPE bases (`*rope_theta`) are above 0. Token ids (`*_token_id`) may be
+negative: -1 is a common "none". `check_config_fits`: the config's sizes against its checkpoint, before
+anything is built from them.
 
 `check_finite`: weights with NaN or infinite values are refused when they are loaded, unless the
 caller allows them (`non_finite_allowed()`, the CLI's `--allow-non-finite`): such a checkpoint gives
@@ -81,22 +83,35 @@ def check_config(config: dict, config_class: type, where: str) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number:
             continue
+        if isinstance(value, int) and abs(value) >= 2**63:
+            raise ValueError(f"{where}: {name} is {value}, more than a 64-bit integer holds")
         if name in POSITIVE_FIELDS and not value >= 1:
             raise ValueError(f"{where}: {name} is {value!r}; it must be at least 1")
         if (name.endswith("_eps") or name.endswith("rope_theta")) and not value > 0:
             raise ValueError(f"{where}: {name} is {value!r}; it must be above 0")
         if isinstance(value, int) and value < 0 and not name.endswith("_token_id"):
             raise ValueError(f"{where}: {name} is {value!r}; it must not be negative")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
 
 
-def check_layer_count(hf_config, reader) -> None:
-    """Every layer has weights of its own in the checkpoint: a config claiming more layers than the checkpoint
-    holds tensors is refused before a model of them is built (building even an empty one takes time and
-    memory per layer)."""
+def check_config_fits(hf_config, reader) -> None:
+    """The config's dimensions against its checkpoint, before a model of them is built (building even an empty
+    one takes time and memory per layer and per head): every layer has weights of its own, so there are no
+    more layers than tensors, and no dimension of the model (`POSITIVE_FIELDS`, but the context length,
+    which has no weights) exceeds the number of weights the checkpoint holds."""
+    tensors = len(reader.names())
     layers = getattr(hf_config, "num_hidden_layers", None)
-    if isinstance(layers, int) and layers > len(reader.names()):
+    if isinstance(layers, int) and layers > tensors:
         raise CheckpointError(f"{reader.folder}: its config.json claims {layers} layers (num_hidden_layers), "
-                              f"its weights hold {len(reader.names())} tensors in all")
+                              f"its weights hold {tensors} tensors in all")
+    elements = sum(math.prod(reader.shape(name)) for name in reader.names())
+    for name in POSITIVE_FIELDS:
+        value = getattr(hf_config, name, None)
+        if name != "max_position_embeddings" and isinstance(value, int) and value > elements:
+            raise CheckpointError(f"{reader.folder}: its config.json claims {name} {value}, more than the "
+                                  f"{elements} weights of the checkpoint")
 
 
 # --- weights ----------------------------------------------------------------------------------------

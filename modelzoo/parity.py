@@ -31,7 +31,7 @@ def check_before_building(provider, read_values: bool = False) -> None:
     Megatron load does so as it goes; a transformers load does not)."""
     reader = provider.checkpoint_reader(provider.hf_dir)
     try:
-        validation.check_layer_count(provider.hf_config, reader)
+        validation.check_config_fits(provider.hf_config, reader)
         skeleton = provider.provide_skeleton()
         weights = engine.hf_weights(skeleton, provider.mapping(), reader)
         if read_values:

@@ -51,8 +51,8 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
     check_config(config, provider.hf_config_class(), where)
     try:
         hf_config = provider.hf_config_class().from_dict(config)
-    except (TypeError, KeyError, AttributeError, IndexError) as error:  # what transformers raises on odd values
-        raise ValueError(f"{where}: {type(error).__name__}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - whatever the config class's own validation raises is about this file
+        raise ValueError(f"{where}: {' '.join(str(error).split())}") from None
     return provider(hf_config, hf_dir=hf_dir, **overrides)
 
 

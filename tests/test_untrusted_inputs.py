@@ -331,7 +331,7 @@ HEADERS = {
     "size not shape x dtype": (wrong_size, r"tensor model\.embed_tokens\.weight has 65536 bytes, its shape \[255, 64\] and dtype F32 need 65280"),
     "bytes of no tensor": (lambda h: h.pop("model.norm.weight"), r"bytes \d+ to \d+ of its data section belong to no tensor"),
     "offset as a string": (lambda h: h[EMBED].update(data_offsets=["0", "8"]), r"its data_offsets \['0', '8'\] are not two byte offsets"),
-    "unknown field": (lambda h: h[EMBED].update(extra=1), r"its entry must have exactly dtype, shape and data_offsets"),
+    "no shape": (lambda h: h[EMBED].pop("shape"), r"its entry must have a dtype, a shape and data_offsets"),
 }
 
 
@@ -468,6 +468,9 @@ CONFIGS = {
     "NaN rope_theta": ({"rope_theta": float("nan")}, r"rope_theta is nan; only finite numbers are allowed"),
     "negative rope_theta": ({"rope_theta": -10000.0}, r"rope_theta is -10000\.0; it must be above 0"),
     "a boolean as a string": ({"tie_word_embeddings": "no"}, r"tie_word_embeddings is 'no'; it must be bool"),
+    "more than 64 bits": ({"vocab_size": 2**64}, r"vocab_size is 18446744073709551616, more than a 64-bit integer holds"),
+    "heads not a multiple of kv heads": ({"num_key_value_heads": 3},
+                                         r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
 }
 
 
@@ -482,8 +485,21 @@ def test_invalid_config_values_are_refused_naming_the_field_and_file(capsys, tmp
 
 
 # --- the config against its checkpoint, before anything is built -----------------------------------------
+OVERSIZED = {
+    # 64k hidden x 256k intermediate x 2 layers + a 1M vocabulary: ~230 GB in float32
+    "tens of GB": (dict(hidden_size=65536, intermediate_size=262144, vocab_size=1 << 20, head_dim=16384),
+                   r"hf: its config\.json claims vocab_size 1048576, more than the 119104 weights of the checkpoint"),
+    "a million layers": (dict(num_hidden_layers=10**6), r"hf: its config\.json claims 1000000 layers \(num_hidden_layers\), "
+                         r"its weights hold 21 tensors in all"),
+    "other shapes": (dict(intermediate_size=320), r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[160, 64\], "
+                     r"the model expects \[320, 64\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERSIZED))
 @pytest.mark.parametrize("command", ["parity", "logprobs-megatron", "logprobs-hf"])
-def test_a_config_claiming_tens_of_gigabytes_is_refused_before_a_model_is_built(capsys, tmp_path, monkeypatch, command):
+def test_a_config_that_does_not_fit_its_checkpoint_is_refused_before_a_model_is_built(capsys, tmp_path, monkeypatch,
+                                                                                       command, case):
     from modelzoo import parity
     from modelzoo.provider import ModelProvider
 
@@ -492,18 +508,16 @@ def test_a_config_claiming_tens_of_gigabytes_is_refused_before_a_model_is_built(
 
     monkeypatch.setattr(ModelProvider, "provide", never)
     monkeypatch.setattr(parity, "load_hf_model", never)
+    changes, message = OVERSIZED[case]
     folder = hf_copy(tmp_path)
     config = json.loads((folder / "config.json").read_text())
-    # 64k hidden x 256k intermediate x 2 layers + a 1M vocabulary: ~230 GB in float32
-    config.update(hidden_size=65536, intermediate_size=262144, vocab_size=1 << 20, head_dim=16384)
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
     tokens = tmp_path / "tokens.json"
     tokens.write_text("[[1, 2, 3]]")
     argv = {"parity": ["parity", folder],
             "logprobs-megatron": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out"],
             "logprobs-hf": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out", "--backend", "hf"]}[command]
-    assert_refused(capsys, argv, r"tensor model\.embed_tokens\.weight has shape \[256, 64\], the model expects "
-                   r"\[1048576, 65536\]", tmp_path, ["hf", "tokens.json"])
+    assert_refused(capsys, argv, message, tmp_path, ["hf", "tokens.json"])
 
 
 # --- arguments and token files --------------------------------------------------------------------------
