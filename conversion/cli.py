@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from conversion import engine, megatron_ckpt, validation  # noqa: E402
 from conversion.mapping import MappingError  # noqa: E402
 from conversion.native import keep_source_scales  # noqa: E402
-from conversion.safetensors_io import CheckpointError, remove_stale_staging, write_failure  # noqa: E402
+from conversion.safetensors_io import CheckpointError, remove_stale_staging, staging_prefix, write_failure  # noqa: E402
 from modelzoo import runtime  # noqa: E402
 from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
 from modelzoo.provider import TOKENIZER_FILES  # noqa: E402
@@ -195,7 +195,8 @@ def _write_new_file(path: Path, text: str) -> None:
     renamed into place; an existing `path` is never replaced."""
     _refuse_existing(path)
     try:
-        descriptor, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        remove_stale_staging(path)
+        descriptor, partial = tempfile.mkstemp(prefix=staging_prefix(path), dir=path.parent)
     except FileNotFoundError:
         raise FileNotFoundError(f"output {path}: its folder {path.parent} does not exist") from None
     except OSError as error:

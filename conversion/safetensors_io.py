@@ -571,27 +571,28 @@ def write_failure(error: BaseException, target: str | os.PathLike) -> Checkpoint
     return None
 
 
-# staging folders are named `.NAME.partial-HOST-PID-RANDOM`: which process made one, to tell a dead run's
-STAGING_MARK = ".partial-"
+def _staging_mark(target: Path) -> str:
+    return f".{target.name}.partial-"
 
 
-def _staging_prefix(target: Path) -> str:
-    return f".{target.name}{STAGING_MARK}"
+def staging_prefix(target: str | os.PathLike) -> str:
+    """How this process names what it stages for `target` (a folder, or a file: `.NAME.partial-HOST-PID-`
+    and a random part): which host and process made it, to tell a dead run's (`remove_stale_staging`)."""
+    return f"{_staging_mark(Path(target))}{socket.gethostname()}-{os.getpid()}-"
 
 
 def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
-    """Remove the staging folders of `target` that runs which are gone left behind (killed before they
-    could clean up): those made on this host by a process that no longer exists. Returns them."""
+    """Remove what runs which are gone (killed before they could clean up) staged for `target`: made on
+    this host by a process that no longer exists. Returns what it removed."""
     target = Path(target)
-    host = socket.gethostname()
-    removed = []
+    mark, host, removed = _staging_mark(target), socket.gethostname(), []
     try:
-        candidates = list(target.parent.glob(glob.escape(_staging_prefix(target)) + "*"))
+        candidates = list(target.parent.glob(glob.escape(mark) + "*"))
     except OSError:
         return []
-    for folder in candidates:
-        owner = folder.name[len(_staging_prefix(target)):].rsplit("-", 2)
-        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or not folder.is_dir():
+    for staged in candidates:
+        owner = staged.name[len(mark):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
             continue
         try:
             os.kill(int(owner[1]), 0)
@@ -600,8 +601,11 @@ def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
             pass
         except PermissionError:
             continue  # alive, another user's
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
+        if staged.is_dir() and not staged.is_symlink():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
+        removed.append(staged)
     return removed
 
 
@@ -614,8 +618,7 @@ def create_staging_folder(target: Path) -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target)
-        prefix = f"{_staging_prefix(target)}{socket.gethostname()}-{os.getpid()}-"
-        staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(target), dir=target.parent))
     except OSError as error:
         raise (write_failure(error, target) or error) from None
     umask = os.umask(0)

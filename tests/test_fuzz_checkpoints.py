@@ -16,7 +16,6 @@ would make building the model slow, a denial of service rather than code run or 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil

@@ -631,6 +631,26 @@ def test_a_read_only_output_or_a_full_disk_gets_one_line(capsys, tmp_path, monke
     gc.collect()  # what the failed write left is collectable
 
 
+def test_what_dead_runs_staged_is_removed_and_nothing_else(capsys, tmp_path):
+    from conversion.safetensors_io import remove_stale_staging, staging_prefix
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has ended
+    ours = staging_prefix(tmp_path / "out.json")  # this host, this (living) process
+    host = ours.split(".partial-")[1].rsplit("-", 2)[0]
+    staged = {"dead file": tmp_path / f".out.json.partial-{host}-{dead_pid}-abc",
+              "dead folder": tmp_path / f".out.json.partial-{host}-{dead_pid}-def",
+              "living": tmp_path / f"{ours}ghi", "other host": tmp_path / f".out.json.partial-elsewhere-{dead_pid}-jkl",
+              "other output": tmp_path / f".other.partial-{host}-{dead_pid}-mno"}
+    for name, path in staged.items():
+        path.mkdir() if "folder" in name else path.write_text("half")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3]]")
+    assert run_cli(capsys, "logprobs", LLAMA, "--tokens", tokens, "--out", tmp_path / "out.json")[0] == 0
+    assert {name for name, path in staged.items() if path.exists()} == {"living", "other host", "other output"}
+    assert remove_stale_staging(tmp_path / "out.json") == []
+
+
 # --- signals and rank processes -------------------------------------------------------------------------
 # started by every Python process of the run (the CLI and its spawned ranks): the rename that publishes a
 # staging folder first announces itself (a file named after the process) and waits, so that the test can
