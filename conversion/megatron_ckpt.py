@@ -11,7 +11,9 @@ torch_dist stores each tensor with its global shape and this rank's slice, so a 
 at one TP size loads at any other. Saving is atomic: everything goes into a staging folder that is
 renamed into place once every rank has finished. Conversion streams both ways (torch_dist_streaming.py):
 `save` of a model built on the meta device makes each tensor when it is written, and `stream_weights`
-reads a checkpoint back a bounded group of tensors at a time.
+reads a checkpoint back a bounded group of tensors at a time. Reading a checkpoint checks it first:
+every pickle in it read by an allow-list (conversion/safe_pickle.py), every tensor against the model
+(`check_stored_tensors`).
 """
 
 from __future__ import annotations
