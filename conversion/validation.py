@@ -117,7 +117,7 @@ def check_config_fits(hf_config, reader) -> None:
 # --- weights ----------------------------------------------------------------------------------------
 _non_finite_allowed = contextvars.ContextVar("non_finite_allowed", default=False)
 
-# elements checked at a time: bounds the temporary boolean tensor, not the tensor checked
+# about this many elements are checked at a time: bounds what an FP8 tensor's float copy takes
 _CHECK_CHUNK = 1 << 24
 
 
@@ -131,16 +131,27 @@ def non_finite_allowed(allowed: bool = True) -> Iterator[None]:
         _non_finite_allowed.reset(token)
 
 
-def first_non_finite(tensor: torch.Tensor) -> int | None:
-    """The flat index of the first NaN or infinite element of `tensor`, or None (integer tensors: None)."""
+def first_non_finite(tensor: torch.Tensor) -> tuple[int, float] | None:
+    """(flat index, value) of the first NaN or infinite element of `tensor`, or None (integer tensors: None).
+
+    A part's sum in float64 is NaN or infinite when one of its elements is, and finite float32 values cannot
+    add up to an overflow: summing takes no memory, where `isfinite` would make a boolean tensor the size of
+    the part (the parts are whole rows, views: nothing is copied; FP8 rows are, having no arithmetic)."""
     if not tensor.is_floating_point():
         return None
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), _CHECK_CHUNK):
-        part = flat[start:start + _CHECK_CHUNK]
-        bad = ~torch.isfinite(part.float() if part.element_size() == 1 else part)  # no isfinite for FP8 e4m3
-        if bad.any():
-            return start + int(bad.nonzero()[0, 0])
+    rows = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor
+    row_elements = math.prod(rows.shape[1:])
+    step = max(1, _CHECK_CHUNK // max(1, row_elements))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start:start + step]
+        part = part.float() if part.element_size() == 1 else part
+        if math.isfinite(part.sum(dtype=torch.float64).item()):
+            continue
+        bad = (~torch.isfinite(part)).nonzero()
+        if len(bad):
+            position = tuple(bad[0].tolist())
+            flat = start * row_elements + sum(i * math.prod(part.shape[k + 1:]) for k, i in enumerate(position))
+            return flat, part[position].item()
     return None
 
 
@@ -150,7 +161,8 @@ def refuses_non_finite() -> bool:
 
 def check_finite(name: str, tensor: torch.Tensor, where: str) -> None:
     """Refuse NaN or infinite values in tensor `name` (of file `where`), unless they are allowed."""
-    index = first_non_finite(tensor) if refuses_non_finite() else None
-    if index is not None:
-        raise CheckpointError(f"{where}: tensor {name} holds {tensor.reshape(-1)[index].item()} at element {index}: "
-                              "weights with NaN or infinite values are refused (--allow-non-finite loads them)")
+    found = first_non_finite(tensor) if refuses_non_finite() else None
+    if found is not None:
+        index, value = found
+        raise CheckpointError(f"{where}: tensor {name} holds {value} at element {index}: weights with NaN or "
+                              "infinite values are refused (--allow-non-finite loads them)")
