@@ -332,36 +332,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# arguments that count something: at least 1
-POSITIVE_ARGUMENTS = ("tp", "ep", "batch", "seq_len", "max_shard_bytes")
+# the least each count among the arguments can be (a log-prob needs two tokens)
+MINIMUMS = {"tp": 1, "ep": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+# the argument naming what each command writes
+OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
 
 
 def check_arguments(args) -> None:
-    for name in POSITIVE_ARGUMENTS:
+    for name, least in MINIMUMS.items():
         value = getattr(args, name, None)
-        if value is not None and value < (2 if name == "seq_len" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} {value}: it must be at least {2 if name == 'seq_len' else 1}")
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: it must be at least {least}")
     tolerance = getattr(args, "tolerance", None)
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"--tolerance {tolerance}: it must be a finite number >= 0")
 
 
-def _interrupt_on_sigterm(signum, frame):
-    raise KeyboardInterrupt("terminated")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "import":
-        output = Path(args.megatron_dir)
-    elif args.command in ("export", "export-adapter", "logprobs"):
-        output = Path(getattr(args, "hf_dir" if args.command == "export" else
-                              "adapter_dir" if args.command == "export-adapter" else "out"))
-    else:
-        output = None
+    output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
     # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, runtime.interrupt_on_sigterm) if in_main_thread else None
     try:
         check_arguments(args)
         return args.func(args)

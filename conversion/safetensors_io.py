@@ -581,6 +581,20 @@ def staging_prefix(target: str | os.PathLike) -> str:
     return f"{_staging_mark(Path(target))}{socket.gethostname()}-{os.getpid()}-"
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet waited for, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
+
+
 def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
     """Remove what runs which are gone (killed before they could clean up) staged for `target`: made on
     this host by a process that no longer exists. Returns what it removed."""
@@ -592,15 +606,8 @@ def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
         return []
     for staged in candidates:
         owner = staged.name[len(mark):].rsplit("-", 2)
-        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _alive(int(owner[1])):
             continue
-        try:
-            os.kill(int(owner[1]), 0)
-            continue  # its process is alive: a run in progress
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user's
         if staged.is_dir() and not staged.is_symlink():
             shutil.rmtree(staged, ignore_errors=True)
         else:

@@ -192,13 +192,15 @@ def _die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _interrupt_on_sigterm(signum, frame):
+def interrupt_on_sigterm(signum, frame):
+    """A SIGTERM handler that unwinds like Ctrl-C (`KeyboardInterrupt("terminated")`): what a process
+    staged is removed on the way out."""
     raise KeyboardInterrupt("terminated")
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:
     _die_with_parent(parent)
-    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)  # unwinds like Ctrl-C: its staging folders go
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     # tqdm's default lock is a multiprocessing semaphore, which a rank killed mid-run leaves to the resource
     # tracker (a warning at exit); the ranks' bars need no lock across processes
     tqdm.set_lock(threading.RLock())

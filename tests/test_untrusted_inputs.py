@@ -684,16 +684,6 @@ def start_slow_import(tmp_path: Path, out: Path, tp: int) -> tuple[subprocess.Po
     return process, [int(p.name.split("-")[1]) for p in tmp_path.glob("publishing-*")]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead but for its parent's wait
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
 def test_sigterm_of_a_tp2_import_unwinds_like_ctrl_c(tmp_path):
     out = tmp_path / "out"
     process, _ = start_slow_import(tmp_path, out, tp=2)
@@ -706,6 +696,16 @@ def test_sigterm_of_a_tp2_import_unwinds_like_ctrl_c(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kill test reads /proc")
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has ended, but for its parent's wait
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
 def test_killing_the_parent_kills_its_ranks_and_the_next_run_removes_their_staging_folder(capsys, tmp_path):
     out = tmp_path / "out"
     process, [publishing_rank] = start_slow_import(tmp_path, out, tp=2)
