@@ -23,6 +23,8 @@ a folder has passed, torch and Megatron read the same bytes with their own unpic
 resolves the same globals whichever unpickler reads it, and these readers have seen every one. (The
 folder must not be rewritten meanwhile: the check reads it once, then the load reads it again.)
 modelzoo's own tensor reader (torch_dist_streaming.py) takes the metadata `check_folder` returns.
+The list names what torch pickles there, private classes included (`_StorageInfo`, `_MEM_FORMAT_ENCODING`,
+`_get_layout`): a torch that pickles others has its checkpoints refused, naming the class, until it is added.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from conversion.safetensors_io import CheckpointError
+from conversion.safetensors_io import CheckpointError, is_int
 
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}
@@ -118,12 +120,8 @@ def load_object(data: bytes, where: str):
                               f"{str(error).splitlines()[0] if str(error) else ''})") from None
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_shape(value) -> bool:
-    return isinstance(value, tuple) and all(_is_int(size) and size >= 0 for size in value)
+    return isinstance(value, tuple) and all(is_int(size) and size >= 0 for size in value)
 
 
 def _check_tensor_entry(path: Path, key: str, entry) -> None:
@@ -186,7 +184,7 @@ def check_folder(folder: str | os.PathLike):
     file_sizes: dict[str, int] = {}
     for index, info in storage.items():
         if (not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo)
-                or not isinstance(info.relative_path, str) or not _is_int(info.offset) or not _is_int(info.length)):
+                or not isinstance(info.relative_path, str) or not is_int(info.offset) or not is_int(info.length)):
             raise CheckpointError(f"{metadata_path}: a storage entry is malformed")
         name = info.relative_path
         if name not in file_sizes:

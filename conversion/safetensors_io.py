@@ -314,7 +314,8 @@ def _unique_names(pairs: list[tuple[str, object]]) -> dict:
     return result
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer read from JSON or a pickle, not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -345,7 +346,7 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
     data_size = size - 8 - header_length
-    tensors, spans = {}, {}
+    tensors, spans, ranges = {}, {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
@@ -358,9 +359,9 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
         if dtype is None:
             raise CheckpointError(f"{where} has unsupported dtype {entry['dtype']!r}")
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
             raise CheckpointError(f"{where}: its shape {shape!r} is not a list of sizes")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) for n in offsets):
             raise CheckpointError(f"{where}: its data_offsets {offsets!r} are not two byte offsets")
         begin, end = offsets
         if not 0 <= begin <= end:
@@ -373,16 +374,17 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
                                   f"need {expected}")
         tensors[name] = TensorInfo(path, tuple(shape), dtype)
         spans[name] = (8 + header_length + begin, end - begin)
+        ranges.append((begin, end, name))
     # the tensors fill the data section one after the other, as the safetensors library requires
-    end, previous = 0, None
-    for begin, length, name in sorted((begin - 8 - header_length, length, name) for name, (begin, length) in spans.items()):
-        if begin < end:
-            raise CheckpointError(f"{path}: tensors {previous} and {name} overlap (bytes {begin} to {end})")
-        if begin > end:
-            raise CheckpointError(f"{path}: bytes {end} to {begin} of its data section belong to no tensor")
-        end, previous = begin + length, name
-    if end != data_size:
-        raise CheckpointError(f"{path}: bytes {end} to {data_size} of its data section belong to no tensor")
+    filled, previous = 0, None
+    for begin, end, name in sorted(ranges):
+        if begin < filled:
+            raise CheckpointError(f"{path}: tensors {previous} and {name} overlap (bytes {begin} to {filled})")
+        if begin > filled:
+            raise CheckpointError(f"{path}: bytes {filled} to {begin} of its data section belong to no tensor")
+        filled, previous = end, name
+    if filled != data_size:
+        raise CheckpointError(f"{path}: bytes {filled} to {data_size} of its data section belong to no tensor")
     return tensors, spans
 
 
