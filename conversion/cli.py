@@ -11,8 +11,12 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -25,10 +29,10 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 import torch  # noqa: E402
 
-from conversion import engine, megatron_ckpt  # noqa: E402
+from conversion import engine, megatron_ckpt, validation  # noqa: E402
 from conversion.mapping import MappingError  # noqa: E402
 from conversion.native import keep_source_scales  # noqa: E402
-from conversion.safetensors_io import CheckpointError  # noqa: E402
+from conversion.safetensors_io import CheckpointError, remove_stale_staging, staging_prefix, write_failure  # noqa: E402
 from modelzoo import runtime  # noqa: E402
 from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
 from modelzoo.provider import TOKENIZER_FILES  # noqa: E402
@@ -69,20 +73,40 @@ def _existing_objects_not_collected():
         gc.unfreeze()
 
 
+def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
+    """The text of `source`'s config.json saying the weights are `dtype_name` (what the import stores,
+    and so what an export writes), or None when it says so already (it is then copied as it is)."""
+    config = json.loads(source.read_text())
+    keys = [key for key in ("torch_dtype", "dtype") if key in config]
+    if all(config[key] == dtype_name for key in keys) and (keys or dtype_name == "float32"):  # none: float32
+        return None
+    return json.dumps({**config, **dict.fromkeys(keys or ["dtype"], dtype_name)}, indent=2, sort_keys=True) + "\n"
+
+
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
-                 options: dict) -> int:
-    with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
+                 options: dict, allow_non_finite: bool) -> int:
+    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
+          validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], **options)
-        # streamed: the model is never built, each tensor is read, sharded and written in turn
-        skeleton = provider.provide_skeleton()
+        config = Path(hf_dir) / "config.json"
+        retyped_config = _config_with_dtype(config, dtype_name)
         reader = provider.checkpoint_reader(Path(hf_dir), naming)
+
+        def write_hf_side(folder: Path) -> None:
+            if retyped_config is not None:
+                (folder / config.name).write_text(retyped_config)
+            keep_source_scales(reader, folder)
+
         try:
+            validation.check_config_fits(provider.hf_config, reader)
+            # streamed: the model is never built, each tensor is read, sharded and written in turn
+            skeleton = provider.provide_skeleton()
             weights = engine.hf_weights(skeleton, provider.mapping(), reader)
-            side_files = [Path(hf_dir) / name for name in ("config.json", *TOKENIZER_FILES) if (Path(hf_dir) / name).exists()]
+            side_files = [Path(hf_dir) / name for name in TOKENIZER_FILES if (Path(hf_dir) / name).exists()]
+            side_files += [config] if retyped_config is None else []
             metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep,
                         "model_options": provider.model_options()}
-            megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights,
-                               write_hf_side=lambda folder: keep_source_scales(reader, folder))
+            megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights, write_hf_side=write_hf_side)
         finally:
             reader.close()
         return sum(t.numel() for t in engine.megatron_tensors(skeleton).values())
@@ -97,7 +121,7 @@ def cmd_import(args) -> int:
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
     local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
-                                 naming, options)
+                                 naming, options, args.allow_non_finite)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
                         ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
@@ -120,6 +144,9 @@ def cmd_export(args) -> int:
     out = Path(args.hf_dir)
     _refuse_existing(out)
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
+    if metadata.get("dtype") not in DTYPES or not isinstance(metadata.get("architecture"), str):
+        raise CheckpointError(f"{Path(args.megatron_dir) / megatron_ckpt.METADATA_FILE} must name the architecture "
+                              f"and a dtype among {sorted(DTYPES)}")
     start = time.perf_counter()
     build_provider(Path(args.megatron_dir) / megatron_ckpt.HF_SUBDIR).check_parallel_layout(args.tp, args.ep)
     options = {"format": args.format, "quantize": None if args.quantize == "none" else args.quantize}
@@ -158,7 +185,8 @@ def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
     if not isinstance(tokens, list) or not all(isinstance(seq, list) and len(seq) >= 2 for seq in tokens):
         raise ValueError(f"token file {path} must hold a JSON list of token-id lists, each of length >= 2")
     for number, seq in enumerate(tokens):
-        bad = [t for t in seq if not isinstance(t, int) or not 0 <= t < vocab_size]
+        # JSON true / false are Python ints too: refused like any other non-id
+        bad = [t for t in seq if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token file {path}: sequence {number} has ids outside [0, {vocab_size}): {bad[:5]}")
     return tokens
@@ -168,8 +196,30 @@ def _provider_options(args) -> dict:
     return {"require_mtp": True} if args.require_mtp else {}
 
 
+def _write_new_file(path: Path, text: str) -> None:
+    """`text` into a new file `path`, whole or not at all: written beside it under a temporary name, then
+    renamed into place; an existing `path` is never replaced."""
+    _refuse_existing(path)
+    try:
+        remove_stale_staging(path)
+        descriptor, partial = tempfile.mkstemp(prefix=staging_prefix(path), dir=path.parent)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"output {path}: its folder {path.parent} does not exist") from None
+    except OSError as error:
+        raise (write_failure(error, path) or error) from None
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        _refuse_existing(path)
+        os.replace(partial, path)
+    except BaseException as error:
+        Path(partial).unlink(missing_ok=True)
+        raise (write_failure(error, path) or error) from None
+
+
 def cmd_logprobs(args) -> int:
     out = Path(args.out)
+    _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
@@ -179,19 +229,24 @@ def cmd_logprobs(args) -> int:
                          "at a time: drop --pack or use --backend megatron")
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
-                                    options=_provider_options(args), packed=sequences)
+                                    options=_provider_options(args), packed=sequences,
+                                    allow_non_finite=args.allow_non_finite)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
         if args.backend == "hf":
-            outputs = hf_outputs(args.hf_dir, batches, dtype)
+            outputs = hf_outputs(args.hf_dir, batches, dtype, allow_non_finite=args.allow_non_finite)
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
-                                       ep=args.ep, options=_provider_options(args))
+                                       ep=args.ep, options=_provider_options(args),
+                                       allow_non_finite=args.allow_non_finite)
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
-    partial = out.with_name(out.name + ".partial")
-    partial.write_text(json.dumps({"logprobs": results}) + "\n")
-    os.replace(partial, out)
+    for number, values in enumerate(results):
+        bad = next((position for position, value in enumerate(values) if not math.isfinite(value)), None)
+        if bad is not None:  # strict JSON has no NaN or Infinity, and a NaN log-prob answers nothing
+            raise ValueError(f"sequence {number} of {args.tokens}: the log-probability at position {bad} is "
+                             f"{values[bad]}; nothing was written")
+    _write_new_file(out, json.dumps({"logprobs": results}, allow_nan=False) + "\n")
     _summary("logprobs", [("backend", args.backend), ("packed", "yes" if args.pack else "no"),
                           ("sequences", len(results)), ("output", out)])
     return 0
@@ -207,9 +262,11 @@ def cmd_parity(args) -> int:
     lengths = sorted({1, 5, max(1, args.seq_len // 3), args.seq_len})
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
-        args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed)
+        args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed,
+        allow_non_finite=args.allow_non_finite)
     alone = [torch.tensor([sequence]) for sequence in packed]
-    [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype)
+    [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
+                                                   allow_non_finite=args.allow_non_finite)
     packed_diff = max((ours - theirs[0][0]).abs().max().item() for ours, theirs in zip(megatron_packed, hf_alone)
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
@@ -294,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
         common(sub)
         require_mtp(sub)
         sub.set_defaults(func=func)
+    for name in ("import", "logprobs", "parity"):
+        commands.choices[name].add_argument("--allow-non-finite", action="store_true",
+                                            help="load weights with NaN or infinite values (refused by default)")
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
     commands.choices["logprobs"].add_argument("--out", required=True)
     commands.choices["logprobs"].add_argument("--backend", choices=("megatron", "hf"), default="megatron")
@@ -311,12 +371,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the least each count among the arguments can be (a log-prob needs two tokens)
+MINIMUMS = {"tp": 1, "ep": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+# the argument naming what each command writes
+OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
+
+
+def check_arguments(args) -> None:
+    for name, least in MINIMUMS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: it must be at least {least}")
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"--tolerance {tolerance}: it must be a finite number >= 0")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
+    # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, runtime.interrupt_on_sigterm) if in_main_thread else None
     try:
+        check_arguments(args)
         return args.func(args)
     except USER_ERRORS as error:
         print(f"modelzoo: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a file that cannot be read (writes are reported where they fail)
+        if error.filename is None:
+            raise
+        print(f"modelzoo: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
     except runtime.RankFailed as error:
         if error.error_type in {kind.__name__ for kind in USER_ERRORS}:
@@ -326,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     except ParityFailed as error:
         print(f"modelzoo: parity failed: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as error:
+        # on a line of its own: after the terminal's ^C, or a progress bar of a rank that was stopped
+        print(f"\nmodelzoo: {error or 'interrupted'}; nothing was written", file=sys.stderr)
+        return 128 + (signal.SIGTERM if str(error) == "terminated" else signal.SIGINT)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        if output is not None and not output.exists():
+            # ranks killed mid-write (this run's, after a failure, or a dead run's) leave their staging folders
+            remove_stale_staging(output)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from conversion import megatron_ckpt
+from conversion import megatron_ckpt, validation
 from conversion.mapping import MappingError, MappingTable, Rule
 from conversion.safetensors_io import CheckpointReader
 from conversion.transforms import RowBlocks
@@ -108,37 +108,46 @@ def _rule_for(table: MappingTable, name: str):
     return found
 
 
-def expected_hf_shapes(model: torch.nn.Module, table: MappingTable) -> dict[str, tuple[int, ...]]:
-    """The shape every checkpoint tensor must have, from the model (run on meta tensors: no memory)."""
-    shapes = {}
+def expected_hf_tensors(model: torch.nn.Module, table: MappingTable) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor as the model expects it, on the meta device: its shape, and its dtype's
+    kind (floating point or not). From the model's meta tensors: no memory."""
+    expected = {}
     for name, tensor in megatron_tensors(model).items():
         rule, indices = _rule_for(table, name)
         layout = ShardLayout(tensor)
         meta = torch.empty(layout.full_shape(tensor), dtype=tensor.dtype, device="meta")
-        for hf_name, hf_tensor in zip(rule.hf_names(indices), rule.transform.to_hf(meta, layout.tp_size)):
-            shapes[hf_name] = tuple(hf_tensor.shape)
-    return shapes
+        expected.update(zip(rule.hf_names(indices), rule.transform.to_hf(meta, layout.tp_size)))
+    return expected
 
 
 def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> None:
-    """Names and shapes of the whole checkpoint against the model, before a single byte is loaded."""
+    """Names, shapes and kinds of dtype of the whole checkpoint against the model, before a single byte
+    is loaded: a floating-point weight stored as integers would be cast to a wrong one, not refused."""
     table.check_coverage(megatron_tensors(model), reader.names(), where=str(reader.folder))
-    for name, shape in expected_hf_shapes(model, table).items():
-        if reader.shape(name) != shape:
-            raise MappingError(
-                f"{reader.tensors[name].file}: tensor {name} has shape {list(reader.shape(name))}, "
-                f"the model expects {list(shape)}"
-            )
+    for name, tensor in expected_hf_tensors(model, table).items():
+        info = reader.tensors[name]
+        if info.dtype.is_floating_point != tensor.dtype.is_floating_point:
+            raise MappingError(f"{info.file}: tensor {name} is stored as {info.dtype}, the model expects "
+                               f"{'a floating-point' if tensor.dtype.is_floating_point else 'an integer'} tensor")
+        if info.shape != tuple(tensor.shape):
+            raise MappingError(f"{info.file}: tensor {name} has shape {list(info.shape)}, the model expects "
+                               f"{list(tensor.shape)}")
 
 
 def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> RowBlocks:
     """This rank's shard of Megatron tensor `name`, made from the checkpoint as row blocks of the source
     tensors (nothing concatenated yet); `target` (the parameter, real or on the meta device) gives its
-    shape and parallel layout. The source dtype is kept."""
+    shape and parallel layout. The source dtype is kept. NaN or infinite values are refused
+    (`validation.check_finite`) unless allowed: the shard is checked, which reads only this rank's part."""
     rule, indices = table.for_megatron(name)
     layout = ShardLayout(target)
-    sources = [reader.get(hf_name) for hf_name in rule.hf_names(indices)]
-    return layout.shard(rule.transform.to_megatron_rows(sources, layout.full_shape(target), layout.tp_size))
+    hf_names = rule.hf_names(indices)
+    sources = [reader.get(hf_name) for hf_name in hf_names]
+    rows = layout.shard(rule.transform.to_megatron_rows(sources, layout.full_shape(target), layout.tp_size))
+    if validation.refuses_non_finite() and any(validation.first_non_finite(block) is not None for block in rows.blocks):
+        for hf_name, source in zip(hf_names, sources):  # which source it came from, for the message
+            validation.check_finite(hf_name, source, str(reader.tensors[hf_name].file))
+    return rows
 
 
 def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader, progress: bool = True) -> None:

@@ -11,7 +11,9 @@ torch_dist stores each tensor with its global shape and this rank's slice, so a 
 at one TP size loads at any other. Saving is atomic: everything goes into a staging folder that is
 renamed into place once every rank has finished. Conversion streams both ways (torch_dist_streaming.py):
 `save` of a model built on the meta device makes each tensor when it is written, and `stream_weights`
-reads a checkpoint back a bounded group of tensors at a time.
+reads a checkpoint back a bounded group of tensors at a time. Reading a checkpoint checks it first:
+every pickle in it read by an allow-list (conversion/safe_pickle.py), every tensor against the model
+(`check_stored_tensors`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder
+from conversion import safe_pickle
+from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder, write_failure
+from conversion.torch_dist_streaming import ParameterData, load_groups, original_errors, streaming_save_strategy
 from conversion.transforms import RowBlocks
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -56,7 +60,8 @@ def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_si
 
     Everything is written into a staging folder beside `folder`; once every rank has saved its shards,
     rank 0 calls `write_side_files(staging)` and renames the staging folder into place. On any error the
-    staging folder is removed and nothing appears at `folder`.
+    staging folder is removed and nothing appears at `folder` (a full disk or a read-only folder is
+    reported as such, naming `folder`).
     """
     from megatron.core import dist_checkpointing
 
@@ -74,15 +79,19 @@ def save_sharded_state(state: dict, folder: str | Path, state_dir: str, write_si
         if rank() == 0:
             (staging / state_dir).mkdir()
         _barrier()
-        dist_checkpointing.save(state, str(staging / state_dir), sharded_strategy=sharded_strategy)
+        with original_errors():
+            dist_checkpointing.save(state, str(staging / state_dir), sharded_strategy=sharded_strategy)
         _barrier()
         if rank() == 0:
             write_side_files(staging)
             publish_staging_folder(staging, folder)
         _barrier()
-    except BaseException:
+    except BaseException as error:
         if rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
+        failure = write_failure(error, folder)
+        if failure is not None:
+            raise failure from None
         raise
 
 
@@ -98,8 +107,6 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
     (`provider.provide_skeleton()`), `weights(name)` makes this rank's tensor `name` (as
     `transforms.RowBlocks`) when the writer reaches it, so memory stays near one tensor, not the model.
     """
-    from conversion.torch_dist_streaming import ParameterData, streaming_save_strategy
-
     def write_side_files(staging: Path) -> None:
         (staging / TRACKER_FILE).write_text(RELEASE)
         (staging / HF_SUBDIR).mkdir()
@@ -120,22 +127,75 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
 
 
 def read_metadata(folder: str | Path) -> dict:
+    """modelzoo.json of a checkpoint folder (a JSON object: architecture, dtype, the layout it was written at)."""
     folder = Path(folder)
     path = folder / METADATA_FILE
     if not (folder / TRACKER_FILE).exists() or not path.exists():
         raise CheckpointError(f"{folder} is not a modelzoo Megatron checkpoint (no {TRACKER_FILE} or {METADATA_FILE})")
-    return json.loads(path.read_text())
+    try:
+        metadata = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not JSON ({error})") from None
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return metadata
+
+
+def state_folder(folder: str | Path) -> Path:
+    """The folder of the state the tracker file names: `release`, or `iter_0000100` for iteration 100 (as
+    Megatron-LM names them), and nothing else: the tracker cannot point outside the checkpoint."""
+    folder = Path(folder)
+    tracker = folder / TRACKER_FILE
+    iteration = tracker.read_text(errors="replace").strip()
+    if iteration == RELEASE:
+        state = folder / RELEASE
+    elif iteration.isdigit() and iteration.isascii():
+        state = folder / f"iter_{int(iteration):07d}"
+    else:
+        raise CheckpointError(f"{tracker} holds {iteration[:40]!r}: an iteration number or {RELEASE!r} was expected")
+    if not state.is_dir():
+        raise CheckpointError(f"{tracker} names {state.name}, which is not a folder of {folder}")
+    return state
+
+
+def check_stored_tensors(sharded_state_dict: dict, metadata, where: Path, dtypes: str | None = None) -> None:
+    """The tensors of `sharded_state_dict` against what a checkpoint's metadata (`safe_pickle.check_folder`)
+    says it stores: every key there, with the same global shape; with `dtypes` (what the model's dtypes
+    come from, for the message), with the same dtype too."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    def sharded_tensors(values):
+        for value in values:
+            if isinstance(value, ShardedTensorFactory):
+                yield from sharded_tensors(nested_values(value.build()))
+            elif isinstance(value, ShardedTensor):
+                yield value
+
+    for tensor in sharded_tensors(nested_values(sharded_state_dict)):
+        stored = metadata.state_dict_metadata.get(tensor.key)
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(f"{where} has no tensor {tensor.key}: it is not a checkpoint of this model")
+        if tuple(stored.size) != tuple(tensor.global_shape):
+            raise CheckpointError(f"{where}: tensor {tensor.key} has shape {list(stored.size)}, the model expects "
+                                  f"{list(tensor.global_shape)}")
+        if dtypes is not None and stored.properties.dtype != tensor.data.dtype:
+            raise CheckpointError(f"{where}: tensor {tensor.key} is stored as {stored.properties.dtype}, the model "
+                                  f"({dtypes}) has {tensor.data.dtype}")
 
 
 def load(model: torch.nn.Module, folder: str | Path) -> None:
     """Collective: fill `model` (this rank's shards) from a checkpoint written by `save` at any TP."""
     from megatron.core import dist_checkpointing
 
-    folder = Path(folder)
     read_metadata(folder)
-    iteration = (folder / TRACKER_FILE).read_text().strip()
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder / iteration))
-    model.load_state_dict(state["model"], strict=True)
+    state = state_folder(folder)
+    sharded_state_dict = {"model": model.sharded_state_dict()}
+    check_stored_tensors(sharded_state_dict, safe_pickle.check_folder(state), state / safe_pickle.METADATA_FILE)
+    with original_errors():
+        loaded = dist_checkpointing.load(sharded_state_dict, str(state))
+    model.load_state_dict(loaded["model"], strict=True)
 
 
 def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int = 256 * 2**20,
@@ -148,13 +208,16 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     Reads consecutive tensors in groups of at most `group_bytes` (a larger tensor alone), so memory stays
     near one group. Each tensor carries its parameter's parallel attributes, so it can stand in for the
     model in `engine.export_hf_weights`. Every rank must iterate to the end (the reads are collective).
+    The checkpoint is checked when this is called, before the first tensor is asked for.
     """
     from conversion.engine import megatron_tensors, with_layout_of
-    from conversion.torch_dist_streaming import load_groups
 
-    folder = Path(folder)
-    read_metadata(folder)
-    iteration = (folder / TRACKER_FILE).read_text().strip()
+    metadata = read_metadata(folder)
+    state = state_folder(folder)
+    stored = safe_pickle.check_folder(state)
+    sharded_state_dict = model.sharded_state_dict()
+    check_stored_tensors(sharded_state_dict, stored, state / safe_pickle.METADATA_FILE,
+                         dtypes=f"{METADATA_FILE}'s dtype {metadata.get('dtype')}")
     params = megatron_tensors(model)
     groups: list[list[str]] = [[]]
     size = 0
@@ -165,5 +228,5 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
             size = 0
         groups[-1].append(name)
         size += nbytes
-    for name, tensor in load_groups(model.sharded_state_dict(), params, groups, str(folder / iteration)):
-        yield name, with_layout_of(tensor, params[name])
+    return ((name, with_layout_of(tensor, params[name]))
+            for name, tensor in load_groups(sharded_state_dict, params, groups, str(state), stored))

@@ -19,17 +19,19 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
+import glob
 import io
 import json
 import math
 import mmap
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import weakref
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 import numpy
@@ -296,10 +298,33 @@ class TensorInfo:
         self.file, self.shape, self.dtype = file, shape, dtype
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    """Parse and validate a safetensors header: every tensor's byte range must lie inside the file.
+# the safetensors library's bound on a header: more than this is not a checkpoint (nor memory to spend on one)
+MAX_HEADER_BYTES = 100 * 2**20
 
-    Returns the header and the file offset of the data section."""
+
+class _RepeatedName(ValueError):
+    pass
+
+
+def _unique_names(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's pairs as a dict, refusing a name given twice (json keeps the last one silently)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise _RepeatedName(next(name for number, (name, _) in enumerate(pairs) if name in dict(pairs[:number])))
+    return result
+
+
+def is_int(value) -> bool:
+    """An integer read from JSON or a pickle, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int, int]]]:
+    """Parse and validate a safetensors header, as the safetensors library does: every entry a known dtype,
+    a shape and a byte range in the data section whose size is the shape's, the ranges filling the data
+    section one after the other.
+
+    Returns every tensor's `TensorInfo` and its (file offset, bytes)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -307,23 +332,60 @@ def _read_header(path: Path) -> tuple[dict, int]:
             if len(raw_length) < 8:
                 raise CheckpointError(f"{path} is not a safetensors file: it is {size} bytes long")
             (header_length,) = struct.unpack("<Q", raw_length)
+            if header_length > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path} is not a safetensors file: its header would be {header_length} bytes")
             if 8 + header_length > size:
                 raise CheckpointError(f"{path} is truncated: its header claims {header_length} bytes, the file has {size}")
-            header = json.loads(handle.read(header_length))
+            header = json.loads(handle.read(header_length), object_pairs_hook=_unique_names)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except _RepeatedName as error:
+        raise CheckpointError(f"{path}: its header names {error} twice") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
     data_size = size - 8 - header_length
+    tensors, spans, ranges = {}, {}, []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointError(f"{path}: its __metadata__ must map names to strings")
             continue
-        begin, end = entry["data_offsets"]
+        where = f"{path}: tensor {name}"
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise CheckpointError(f"{where}: its entry must have a dtype, a shape and data_offsets")
+        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(f"{where} has unsupported dtype {entry['dtype']!r}")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
+            raise CheckpointError(f"{where}: its shape {shape!r} is not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(n) for n in offsets):
+            raise CheckpointError(f"{where}: its data_offsets {offsets!r} are not two byte offsets")
+        begin, end = offsets
+        if not 0 <= begin <= end:
+            raise CheckpointError(f"{where}: its data_offsets [{begin}, {end}] are not a byte range")
         if end > data_size:
-            raise CheckpointError(
-                f"{path} is truncated: tensor {name} ends at byte {end} of a {data_size}-byte data section"
-            )
-    return header, 8 + header_length
+            raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {end} of a {data_size}-byte data section")
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected:
+            raise CheckpointError(f"{where} has {end - begin} bytes, its shape {shape} and dtype {entry['dtype']} "
+                                  f"need {expected}")
+        tensors[name] = TensorInfo(path, tuple(shape), dtype)
+        spans[name] = (8 + header_length + begin, end - begin)
+        ranges.append((begin, end, name))
+    # the tensors fill the data section one after the other, as the safetensors library requires
+    filled, previous = 0, None
+    for begin, end, name in sorted(ranges):
+        if begin < filled:
+            raise CheckpointError(f"{path}: tensors {previous} and {name} overlap (bytes {begin} to {filled})")
+        if begin > filled:
+            raise CheckpointError(f"{path}: bytes {filled} to {begin} of its data section belong to no tensor")
+        filled, previous = end, name
+    if filled != data_size:
+        raise CheckpointError(f"{path}: bytes {filled} to {data_size} of its data section belong to no tensor")
+    return tensors, spans
 
 
 class CheckpointReader:
@@ -336,18 +398,12 @@ class CheckpointReader:
         self.tensors: dict[str, TensorInfo] = {}
         self._spans: dict[str, tuple[int, int]] = {}  # name -> (file offset, bytes)
         for file in self._files():
-            header, data_start = _read_header(file)
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']}")
+            tensors, spans = _read_header(file)
+            for name in tensors:
                 if name in self.tensors:
                     raise CheckpointError(f"{self.folder}: tensor {name} appears in both {self.tensors[name].file.name} and {file.name}")
-                self.tensors[name] = TensorInfo(file, tuple(entry["shape"]), dtype)
-                begin, end = entry["data_offsets"]
-                self._spans[name] = (data_start + begin, end - begin)
+            self.tensors.update(tensors)
+            self._spans.update(spans)
         self._handles: dict[Path, io.RawIOBase] = {}
 
     def _files(self) -> list[Path]:
@@ -355,17 +411,30 @@ class CheckpointReader:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
                 raise CheckpointError(f"{index} is not a valid index: no JSON weight_map") from None
-            files = sorted({self.folder / shard for shard in weight_map.values()})
+            if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+                raise CheckpointError(f"{index} is not a valid index: its weight_map must map names to file names")
+            files = sorted({self._shard(index, shard) for shard in weight_map.values()})
             for file in files:
-                if not file.exists():
+                if not file.is_file():
                     raise CheckpointError(f"{index} lists {file.name}, which does not exist")
             return files
         single = self.folder / SINGLE_FILE
         if not single.exists():
             raise CheckpointError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         return [single]
+
+    def _shard(self, index: Path, shard: str) -> Path:
+        """A shard the index lists, which must lie in this folder: a relative path without `..`, in no
+        folder that links outside it. The file itself may be a link (an HF cache's snapshot links each
+        file to its blob)."""
+        relative = PurePosixPath(shard)
+        path = self.folder / relative
+        if (relative.is_absolute() or ".." in relative.parts or not relative.parts
+                or not path.parent.resolve().is_relative_to(self.folder.resolve())):
+            raise CheckpointError(f"{index} lists {shard!r}, which is not a file of {self.folder}")
+        return path
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -377,10 +446,6 @@ class CheckpointReader:
         """One tensor, mapped from its file (copy-on-write: writing to it leaves the file alone)."""
         info = self.tensors[name]
         offset, size = self._spans[name]
-        expected = math.prod(info.shape) * info.dtype.itemsize
-        if size != expected:
-            raise CheckpointError(f"{info.file}: cannot read tensor {name}: it has {size} bytes, its shape "
-                                  f"{list(info.shape)} and dtype {info.dtype} need {expected}")
         if info.file not in self._handles:
             self._handles[info.file] = open(info.file, "rb", buffering=0)
         return file_bytes(self._handles[info.file], offset, size).view(info.dtype).reshape(info.shape)
@@ -495,13 +560,76 @@ class ShardedWriter:
         self.write_json(INDEX_FILE, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
 
 
+# what the system says when an output cannot be written, in the words of the one line reported
+_WRITE_FAILURES = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                   errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                   errno.EPERM: "permission denied", errno.EFBIG: "file too large"}
+
+
+def write_failure(error: BaseException, target: str | os.PathLike) -> CheckpointError | None:
+    """The one-line error for an OSError met writing `target` (no space, read-only, ...), else None."""
+    if isinstance(error, OSError) and error.errno in _WRITE_FAILURES:
+        return CheckpointError(f"{_WRITE_FAILURES[error.errno]} writing {target}; nothing was written")
+    return None
+
+
+def _staging_mark(target: Path) -> str:
+    return f".{target.name}.partial-"
+
+
+def staging_prefix(target: str | os.PathLike) -> str:
+    """How this process names what it stages for `target` (a folder, or a file: `.NAME.partial-HOST-PID-`
+    and a random part): which host and process made it, to tell a dead run's (`remove_stale_staging`)."""
+    return f"{_staging_mark(Path(target))}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet waited for, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
+
+
+def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
+    """Remove what runs which are gone (killed before they could clean up) staged for `target`: made on
+    this host by a process that no longer exists. Returns what it removed."""
+    target = Path(target)
+    mark, host, removed = _staging_mark(target), socket.gethostname(), []
+    try:
+        candidates = list(target.parent.glob(glob.escape(mark) + "*"))
+    except OSError:
+        return []
+    for staged in candidates:
+        owner = staged.name[len(mark):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _alive(int(owner[1])):
+            continue
+        if staged.is_dir() and not staged.is_symlink():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
+        removed.append(staged)
+    return removed
+
+
 def create_staging_folder(target: Path) -> Path:
-    """A fresh folder beside `target` (same filesystem, so the final rename is atomic)."""
+    """A fresh folder beside `target` (same filesystem, so the final rename is atomic), named after this
+    host and process; the staging folders of `target` that dead runs left are removed first."""
     target = Path(target)
     if target.exists():
         raise CheckpointError(f"output folder {target} already exists; choose a new path or remove it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(target)
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(target), dir=target.parent))
+    except OSError as error:
+        raise (write_failure(error, target) or error) from None
     umask = os.umask(0)
     os.umask(umask)
     staging.chmod(0o777 & ~umask)  # mkdtemp makes it private; the published folder gets normal permissions
@@ -516,11 +644,15 @@ def publish_staging_folder(staging: Path, target: Path) -> None:
 
 @contextlib.contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a staging folder that becomes `target` on success and disappears on failure."""
+    """Yield a staging folder that becomes `target` on success and disappears on failure (an OSError
+    such as a full disk becomes one line naming `target`)."""
     staging = create_staging_folder(Path(target))
     try:
         yield staging
         publish_staging_folder(staging, Path(target))
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        failure = write_failure(error, target)
+        if failure is not None:
+            raise failure from None
         raise

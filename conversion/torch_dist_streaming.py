@@ -54,14 +54,30 @@ import contextlib
 import dataclasses
 import io
 import math
+import traceback
 from collections.abc import Callable, Iterator
 
 import numpy
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import RegionCopier, file_bytes
+from conversion.safetensors_io import CheckpointError, RegionCopier, file_bytes
 from conversion.transforms import RowBlocks
+
+
+@contextlib.contextmanager
+def original_errors() -> Iterator[None]:
+    """Meanwhile, an error that torch's distributed checkpoint wrapped in a `CheckpointException` (a
+    BaseException whose message is every failed rank's traceback) is raised as it was: the first failed
+    rank's own exception (a full disk's OSError, a checkpoint's CheckpointError)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        if not error.failures:
+            raise
+        raise next(iter(error.failures.values()))[0] from None
 
 
 def storage_id(tensor: torch.Tensor) -> int:
@@ -180,6 +196,9 @@ class CopyingStream:
         self.file = file
         self.copier = copier
         self.source = None  # (first byte's address, bytes, blocks, what) of the tensor being saved, until appended
+        # the error of a failed write: torch's zip writer reports it as a RuntimeError ("unexpected pos
+        # ..."), so the writer raises this one instead
+        self.error: OSError | None = None
 
     @contextlib.contextmanager
     def saving(self, name: str, tensor: torch.Tensor, stands_for: list[torch.Tensor] | None = None) -> Iterator[None]:
@@ -195,14 +214,19 @@ class CopyingStream:
             self.source = None
 
     def write(self, data) -> int:
-        if self.source is not None:
-            address, size, blocks, what = self.source
-            view = memoryview(data)
-            if view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address:
-                self.copier.write(self.file, blocks, what)
-                self.source = None
-                return size
-        return self.file.write(data)
+        try:
+            if self.source is not None:
+                address, size, blocks, what = self.source
+                with memoryview(data) as view:
+                    ours = view.nbytes == size and numpy.frombuffer(view, numpy.uint8).ctypes.data == address
+                if ours:
+                    self.copier.write(self.file, blocks, what)
+                    self.source = None
+                    return size
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def tell(self) -> int:
         return self.file.tell()
@@ -253,22 +277,31 @@ def streaming_save_strategy(data: ParameterData | None):
             # the copier waits for its copies before the file is closed, on an error too
             with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as file, RegionCopier() as copier:
                 stream = CopyingStream(file, copier)
-                for item in items:
-                    resolved = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        results.append(_write_item(self.transforms, stream, resolved, item, file_name,
-                                                   SerializationFormat.TORCH_SAVE))
-                        continue
-                    tensor = resolved.detach()
-                    # the tensor, not its own-storage copy, says where its bytes lie in a map (`file_region`)
-                    stands_for = data.blocks_of(tensor) if data is not None else None
-                    with stream.saving(item.index.fqn, tensor, stands_for):
-                        results.append(_write_item(self.transforms, stream, with_own_storage(tensor), item, file_name,
-                                                   SerializationFormat.TORCH_SAVE))
-                    del resolved, tensor
+                try:
+                    for item in items:
+                        results.append(self._write(stream, planner.resolve_data(item), item, file_name))
+                except BaseException as error:
+                    # torch's DCP keeps the error, and so the frames it came through, in a reference cycle;
+                    # those frames hold what torch was writing (a memoryview of a BytesIO), and CPython
+                    # 3.12's garbage collector may clear that after the BytesIO, and crash: let go of it now
+                    traceback.clear_frames(error.__traceback__)
+                    if not isinstance(error, RuntimeError) or stream.error is None:
+                        raise
+                    traceback.clear_frames(stream.error.__traceback__)
+                    raise stream.error from None  # what made torch's zip writer fail
             future = Future()
             future.set_result(results)
             return future
+
+        def _write(self, stream: CopyingStream, resolved, item, file_name: str):
+            if item.type == WriteItemType.BYTE_IO:
+                return _write_item(self.transforms, stream, resolved, item, file_name, SerializationFormat.TORCH_SAVE)
+            tensor = resolved.detach()
+            # the tensor, not its own-storage copy, says where its bytes lie in a map (`file_region`)
+            stands_for = data.blocks_of(tensor) if data is not None else None
+            with stream.saving(item.index.fqn, tensor, stands_for):
+                return _write_item(self.transforms, stream, with_own_storage(tensor), item, file_name,
+                                   SerializationFormat.TORCH_SAVE)
 
     class StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
@@ -285,12 +318,13 @@ def streaming_save_strategy(data: ParameterData | None):
     return StreamingSaveStrategy()
 
 
-def streaming_load_strategy():
+def streaming_load_strategy(metadata):
     """A `dist_checkpointing.load` strategy that copies each tensor at most once, from a memory map of
     its bytes in the file into its target (torch's `FileSystemReader` reads each item into a buffer,
     `torch.load`s that into new memory and copies the result into the target: three copies). A target
     whose storage the caller put in the strategy's `deferred` (storage ids) gets no copy: the strategy's
-    `pieces` collects `(target, data on the map)` for the caller to take (`load_groups`)."""
+    `pieces` collects `(target, data on the map)` for the caller to take (`load_groups`). `metadata`: the
+    checkpoint's, as `safe_pickle.check_folder` read it."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import (
@@ -304,28 +338,29 @@ def streaming_load_strategy():
     )
     from torch.distributed import checkpoint
     from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
     class MappedReader(checkpoint.FileSystemReader):
-        """torch's FileSystemReader with `read_data` copying each tensor once. Where the tensor's bytes
-        are in its item (a `torch.save` zip) and how it lies on them come from `torch.load` of the item
-        onto the meta device, which reads the item's pickle and records the data's offset; the items of
-        torch's stream transforms (none in Megatron's files) go through torch's own reader."""
+        """torch's FileSystemReader with `read_data` copying each tensor once, and the metadata that
+        `safe_pickle.check_folder` read (torch's own `read_metadata` is a plain `pickle.load`). Where the
+        tensor's bytes are in its item (a `torch.save` zip) and how it lies on them come from `torch.load`
+        of the item onto the meta device (weights only), which reads the item's pickle and records the
+        data's offset; the items of torch's stream transforms (none in Megatron's files) go through torch's
+        own reader."""
 
-        def __init__(self, path, deferred: set[int], pieces: list[tuple[torch.Tensor, torch.Tensor]],
-                     metadata: dict):
+        def __init__(self, path, deferred: set[int], pieces: list[tuple[torch.Tensor, torch.Tensor]], metadata):
             super().__init__(path)
             self.deferred, self.pieces, self.metadata = deferred, pieces, metadata
 
         def read_metadata(self, *args, **kwargs):
-            # unpickled once per checkpoint and shared by the loads of every group (each load asks
-            # for it, and unpickling a checkpoint's `.metadata` cost ~15 ms of CPU per group), as
-            # Megatron's own CachedMetadataFileSystemReader shares it; nothing changes it
-            key = (str(self.path), kwargs.get("rank"))
-            if key not in self.metadata:
-                self.metadata[key] = super().read_metadata(*args, **kwargs)
-            return self.metadata[key]
+            # what torch's read_metadata adds to the unpickled metadata; each load asks for it, and the
+            # loads of every group share it, as Megatron's own CachedMetadataFileSystemReader does
+            if self.metadata.storage_meta is None:
+                self.metadata.storage_meta = StorageMeta()
+            self.metadata.storage_meta.load_id = self.load_id
+            return self.metadata
 
         def read_data(self, plan, planner):
             if any(self.storage_data[item.storage_index].transform_descriptors for item in plan.items):
@@ -342,11 +377,18 @@ def streaming_load_strategy():
                             planner.load_bytes(item, io.BytesIO(stream.read(info.length)))
                             continue
                         saved = self._mapped_tensor(stream, info)
-                        data = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
                         target = planner.resolve_tensor(item).detach()
+                        if (saved.dim() != len(item.storage_offsets) or target.dtype != saved.dtype or any(
+                                o + n > size for o, n, size in zip(item.storage_offsets, item.lengths, saved.size()))):
+                            raise CheckpointError(
+                                f"{self.path}/{relative_path}: the item of {item.storage_index.fqn} holds "
+                                f"{saved.dtype} {list(saved.size())}, which does not hold the model's piece "
+                                f"({target.dtype} {list(item.lengths)} from {list(item.storage_offsets)})")
+                        data = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
                         if target.size() != data.size():
-                            raise RuntimeError(f"{item.storage_index}: the checkpoint has a piece of shape "
-                                               f"{list(data.size())}, the target is {list(target.size())}")
+                            raise CheckpointError(f"{self.path}/{relative_path}: the item of {item.storage_index.fqn} "
+                                                  f"gives a piece of shape {list(data.size())}, the model's is "
+                                                  f"{list(target.size())}")
                         if storage_id(target) in self.deferred:
                             self.pieces.append((target, data))
                         else:
@@ -358,21 +400,30 @@ def streaming_load_strategy():
 
         def _mapped_tensor(self, stream, info) -> torch.Tensor:
             """The tensor an item holds, on a memory map of its bytes."""
-            layout = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+            where = f"{self.path}/{info.relative_path}: the item at byte {info.offset}"
+            try:
+                layout = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+            except Exception as error:  # noqa: BLE001 - whatever a garbled zip or pickle raises
+                raise CheckpointError(f"{where} is not a torch.save tensor ({type(error).__name__}: "
+                                      f"{str(error).splitlines()[0] if str(error) else ''})") from None
+            if not isinstance(layout, torch.Tensor):
+                raise CheckpointError(f"{where} holds a {type(layout).__name__}, not a tensor")
             storage = layout.untyped_storage()
             start, size = storage._checkpoint_offset, storage.nbytes()
             if start + size > info.length:
-                raise RuntimeError(f"{info.relative_path}: the item at byte {info.offset} holds {info.length} "
-                                   f"bytes, its tensor's data would end at byte {start + size}")
-            data = file_bytes(stream, info.offset + start, size).view(layout.dtype)
-            return data.as_strided(layout.size(), layout.stride(), layout.storage_offset())
+                raise CheckpointError(f"{where} holds {info.length} bytes, its tensor's data would end at byte "
+                                      f"{start + size}")
+            data = file_bytes(stream, info.offset + start, size)
+            try:
+                return data.view(layout.dtype).as_strided(layout.size(), layout.stride(), layout.storage_offset())
+            except RuntimeError:
+                raise CheckpointError(f"{where}: its tensor lies outside its own storage") from None
 
     class StreamingLoadStrategy(TorchDistLoadShardedStrategy):
         def __init__(self):
             super().__init__()
             self.deferred: set[int] = set()
             self.pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-            self.metadata: dict = {}  # MappedReader's, kept from one load to the next
 
         def load(self, sharded_state_dict, checkpoint_dir, async_strategy="mcore"):
             # TorchDistLoadShardedStrategy.load (Megatron-Core 0.19.2, default settings), its reader replaced
@@ -383,7 +434,7 @@ def streaming_load_strategy():
                 shapes_validation_sharded_tensors=[t for t in sharded_tensors if not t.allow_shape_mismatch],
                 allow_shape_mismatch_sharded_tensors={t.key: t for t in sharded_tensors if t.allow_shape_mismatch},
                 stream_ckpt_dequant=self.stream_ckpt_dequant, flatten_state_dict=False, flatten_sharded_tensors=False)
-            reader = MappedReader(checkpoint_dir, self.deferred, self.pieces, self.metadata)
+            reader = MappedReader(checkpoint_dir, self.deferred, self.pieces, metadata)
             checkpoint.load(pyt_state_dict, reader, planner=planner, no_dist=True)
             loaded = {key: _unwrap_pyt_sharded_tensor(value) for key, value in pyt_state_dict.items()}
             loaded = _replace_sharded_keys_with_state_dict_keys(loaded, flat_mapping, rename_mapping)
@@ -461,18 +512,18 @@ def merged_unless_deferred(factory, deferred: set[int]):
 
 
 def load_groups(sharded_state_dict: dict, params: dict[str, torch.Tensor], groups: list[list[str]],
-                folder: str) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
+                folder: str, metadata) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Collective: `(name, this rank's tensor)` for every name of `groups`, one `dist_checkpointing.load`
     per group (a partial sharded state dict), so that only one group is in memory at a time. The load
     copies nothing into the group's tensors (`deferred`) and merges no factory's pieces: a tensor
     stored in one piece comes back on a memory map of the file, and its new tensor, never written,
     costs no memory; one stored in pieces of whole rows (a SwiGLU fc1's halves) as `RowBlocks` of those
     maps; one stored in other pieces (columns of a tensor written at another TP size) is copied
-    together into its own."""
+    together into its own. `metadata`: the folder's, as `safe_pickle.check_folder` read it."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    strategy = streaming_load_strategy()
+    strategy = streaming_load_strategy(metadata)
     for group in groups:
         real = {name: torch.empty(params[name].shape, dtype=params[name].dtype) for name in group}
         name_of = {storage_id(tensor): name for name, tensor in real.items()}
@@ -480,7 +531,8 @@ def load_groups(sharded_state_dict: dict, params: dict[str, torch.Tensor], group
         part = {name: with_real_data(sharded_state_dict[name], real[name]) for name in group}
         part = {name: merged_unless_deferred(sharded, strategy.deferred) if isinstance(sharded, ShardedTensorFactory)
                 else sharded for name, sharded in part.items()}
-        loaded = dist_checkpointing.load({"model": part}, folder, sharded_strategy=strategy)["model"]
+        with original_errors():
+            loaded = dist_checkpointing.load({"model": part}, folder, sharded_strategy=strategy)["model"]
         pieces: dict[str, list] = {name: [] for name in group}
         for target, data in strategy.pieces:
             pieces[name_of[storage_id(target)]].append((target, data))

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from conversion import engine, validation
 from conversion.mapping import MappingError
 from modelzoo import runtime
 from modelzoo.registry import build_provider
@@ -39,6 +40,24 @@ def _transformers_quiet():
             hf_logging.enable_progress_bar()
 
 
+def check_before_building(provider, read_values: bool = False) -> None:
+    """What `modelzoo import` checks before it writes, here before a model is built: the checkpoint's
+    tensor names, shapes and kinds of dtype against the model the config describes, on the meta device,
+    so that a config claiming more than its checkpoint holds is refused, not allocated. `read_values`:
+    also read every tensor through the mapping, refusing NaN or infinite weights unless allowed (a
+    Megatron load does so as it goes; a transformers load does not)."""
+    reader = provider.checkpoint_reader(provider.hf_dir)
+    try:
+        validation.check_config_fits(provider.hf_config, reader)
+        skeleton = provider.provide_skeleton()
+        weights = engine.hf_weights(skeleton, provider.mapping(), reader)
+        if read_values:
+            for name in engine.megatron_tensors(skeleton):
+                weights(name)
+    finally:
+        reader.close()
+
+
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The oracle with every weight from the checkpoint: transformers would initialise a missing one at random
     and only log it, so a missing, unexpected or mis-shaped tensor is refused here (as the Megatron side does)."""
@@ -55,9 +74,12 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32,
+               allow_non_finite: bool = False):
     """For each batch of token ids: (token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model
-    (full-sequence forward); the model is loaded once for all batches."""
+    (full-sequence forward); the model is loaded once for all batches, once the checkpoint is checked."""
+    with runtime.parallel(), validation.non_finite_allowed(allow_non_finite):
+        check_before_building(build_provider(hf_dir), read_values=True)
     model = load_hf_model(hf_dir, dtype).to(runtime.device())
     outputs = []
     for input_ids in batches:
@@ -67,10 +89,12 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
-                   attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None):
-    with runtime.parallel(tp=tp, ep=ep):
+                   attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None,
+                   allow_non_finite: bool = False):
+    with runtime.parallel(tp=tp, ep=ep), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
                                   **options)
+        check_before_building(provider)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
@@ -90,12 +114,13 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
                      attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None,
-                     packed: list[list[int]] | None = None):
+                     packed: list[list[int]] | None = None, allow_non_finite: bool = False):
     """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
     them; the model is built and loaded once for all batches. `options`: more keywords of `build_provider`. With
     `packed` (token-id lists), one more entry: each sequence's log-probs from one forward of them packed into a row.
+    `allow_non_finite`: load NaN or infinite weights rather than refuse them.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
     """
     return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
-                       options or {}, packed)[0]
+                       options or {}, packed, allow_non_finite)[0]

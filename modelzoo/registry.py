@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from conversion.validation import check_config
 from modelzoo.provider import ModelProvider, read_hf_config
 
 _PROVIDERS: dict[str, type[ModelProvider]] = {}
@@ -47,7 +48,12 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
         hf_dir = Path(hf_dir_or_config)
         config, where = read_hf_config(hf_dir), str(hf_dir / "config.json")
     provider = provider_class(config, where)
-    return provider(provider.hf_config_class().from_dict(config), hf_dir=hf_dir, **overrides)
+    check_config(config, provider.hf_config_class(), where)
+    try:
+        hf_config = provider.hf_config_class().from_dict(config)
+    except Exception as error:  # noqa: BLE001 - whatever the config class's own validation raises is about this file
+        raise ValueError(f"{where}: {' '.join(str(error).split())}") from None
+    return provider(hf_config, hf_dir=hf_dir, **overrides)
 
 
 def _import_builtin_architectures() -> None:

@@ -11,12 +11,17 @@ which is how the tests and the CLI exercise tensor parallelism on a CPU machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import datetime
 import io
 import os
 import queue
+import signal
 import socket
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from modelzoo import cpu_compat
 
@@ -138,7 +144,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args), daemon=False)
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, results, args, os.getpid()), daemon=False)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -164,7 +170,40 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     return [returned[rank] for rank in range(world_size)]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, results, args) -> None:
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process when `parent` ends, however it ends (SIGKILL included): a rank left alone would go on
+    and could publish its output after the command was killed. Linux's parent-death signal does it; a
+    thread watching the parent is the fallback elsewhere. Either way a parent already gone ends it now."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        watched_by_kernel = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no prctl: not Linux
+        watched_by_kernel = False
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        os._exit(1)
+    if not watched_by_kernel:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def interrupt_on_sigterm(signum, frame):
+    """A SIGTERM handler that unwinds like Ctrl-C (`KeyboardInterrupt("terminated")`): what a process
+    staged is removed on the way out."""
+    raise KeyboardInterrupt("terminated")
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    # tqdm's default lock is a multiprocessing semaphore, which a rank killed mid-run leaves to the resource
+    # tracker (a warning at exit); the ranks' bars need no lock across processes
+    tqdm.set_lock(threading.RLock())
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),

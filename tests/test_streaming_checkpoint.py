@@ -296,21 +296,30 @@ def test_streamed_reading_gives_what_megatron_loads(tmp_path, tp):
 
 
 def test_streamed_reading_unpickles_its_metadata_once(tmp_path, monkeypatch):
-    """One load per group; the reader's `.metadata` is unpickled for the first and kept for the others
-    (Megatron's load of the common state reads it with a reader of its own)."""
+    """One load per group; `.metadata` is unpickled once, by the restricted unpickler, and the reader of
+    every group takes that (Megatron's load of the common state reads it with a reader of its own)."""
+    from conversion import safe_pickle
+
     source = TINY / "loopcoder-tiny"
     _save_tiny(0, str(source), str(tmp_path / "megatron"), tp=1)
-    read_metadata, reads = FileSystemReader.read_metadata, []
+    read_metadata, reads, restricted_reads = FileSystemReader.read_metadata, [], []
 
     def counted(reader, *args, **kwargs):
         reads.append(type(reader).__name__)
         return read_metadata(reader, *args, **kwargs)
 
+    def counted_restricted(path):
+        restricted_reads.append(path)
+        return restricted_read(path)
+
+    restricted_read = safe_pickle.read_metadata
     monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
+    monkeypatch.setattr(safe_pickle, "read_metadata", counted_restricted)
     with runtime.parallel():
         provider = build_provider(source)
         streamed = dict(megatron_ckpt.stream_weights(provider.provide_skeleton(), tmp_path / "megatron", group_bytes=4096))
-    assert len(streamed) > 2 and reads.count("MappedReader") == 1 and reads.count("FileSystemReader") > 2
+    assert len(streamed) > 2 and len(restricted_reads) == 1 and "MappedReader" not in reads
+    assert reads.count("FileSystemReader") > 2
 
 
 def _save_tiny(rank, source, out, tp=2):

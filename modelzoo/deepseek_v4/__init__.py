@@ -58,6 +58,7 @@ class DeepseekV4Provider(ModelProvider):
         self.mtp_not_in_checkpoint = bool(build_mtp and not require_mtp and hf_config.num_nextn_predict_layers
                                           and hf_dir is not None and checkpoint_lacks_mtp(hf_dir))
         self.build_mtp = build_mtp and not self.mtp_not_in_checkpoint
+        self._mtp_warning_given = False
         super().__init__(hf_config, hf_dir=hf_dir, attention=attention, params_dtype=params_dtype, **config_overrides)
 
     @classmethod
@@ -99,7 +100,8 @@ class DeepseekV4Provider(ModelProvider):
         from modelzoo.deepseek_v4.native import checkpoint_view
 
         view = checkpoint_view(folder, self.params_dtype, naming)
-        if self.mtp_not_in_checkpoint and megatron_ckpt.rank() == 0:
+        if self.mtp_not_in_checkpoint and not self._mtp_warning_given and megatron_ckpt.rank() == 0:
+            self._mtp_warning_given = True  # once per provider: a checked load opens the checkpoint twice
             logger.warning(f"deepseek_v4: {self.hf_dir} has no mtp.* tensors although its config.json sets "
                            f"num_nextn_predict_layers={self.hf_config.num_nextn_predict_layers} (as transformers' "
                            f"save_pretrained writes it): loading it without MTP layers (require_mtp=True, or "

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from conversion.megatron_ckpt import rank
-from conversion.megatron_ckpt import save_sharded_state
+from conversion import safe_pickle
+from conversion.megatron_ckpt import check_stored_tensors, rank, save_sharded_state
 from conversion.safetensors_io import CheckpointError
 from modelzoo import runtime
 from modelzoo.lora.export import NAMINGS, lora_config, save_adapter
@@ -30,6 +30,7 @@ from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lor
 
 METADATA_FILE = "lora.json"
 STATE_DIR = "state"
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _world_size() -> int:
@@ -133,7 +134,26 @@ def read_checkpoint_metadata(folder: str | Path) -> dict:
     path = Path(folder) / METADATA_FILE
     if not path.exists() or not (Path(folder) / STATE_DIR).is_dir():
         raise CheckpointError(f"{folder} is not a modelzoo LoRA checkpoint (no {METADATA_FILE} or {STATE_DIR}/)")
-    return json.loads(path.read_text())
+    try:
+        metadata = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not JSON ({error})") from None
+    fields = {"architecture": str, "params_dtype": str, "lora": dict, "world_size": int, "step": int, "optimizer": bool}
+    wrong = [key for key, kind in fields.items() if not isinstance(metadata, dict) or not isinstance(metadata.get(key), kind)]
+    if wrong:
+        raise CheckpointError(f"{path} must be a JSON object with {', '.join(wrong)} ({', '.join(fields)})")
+    if metadata["params_dtype"] not in PARAMS_DTYPES:
+        raise CheckpointError(f"{path}: params_dtype {metadata['params_dtype']!r} is not one of {sorted(PARAMS_DTYPES)}")
+    return metadata
+
+
+def _state_folder(folder: str | Path, template: dict) -> str:
+    """The checkpoint's state folder, its pickles read safely (conversion/safe_pickle.py) and its tensors
+    checked against `template` before Megatron reads it."""
+    state = Path(folder) / STATE_DIR
+    stored = safe_pickle.check_folder(state)
+    check_stored_tensors(template, stored, state / safe_pickle.METADATA_FILE)
+    return str(state)
 
 
 def _copy_adapters(model: torch.nn.Module, loaded: dict) -> None:
@@ -147,7 +167,8 @@ def load_adapter_checkpoint(model: torch.nn.Module, folder: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
     metadata = read_checkpoint_metadata(folder)
-    loaded = dist_checkpointing.load({"adapter": _adapter_state(model)}, str(Path(folder) / STATE_DIR))
+    template = {"adapter": _adapter_state(model)}
+    loaded = dist_checkpointing.load(template, _state_folder(folder, template))
     _copy_adapters(model, loaded["adapter"])
     return metadata
 
@@ -162,8 +183,8 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
                               f"(this run has {_world_size()}), or load the adapters alone")
     if optimizer is not None and not metadata["optimizer"]:
         raise CheckpointError(f"{folder} was saved without optimizer state")
-    state_dir = str(Path(folder) / STATE_DIR)
     template = {"adapter": _adapter_state(model), "rng": _rng_state()}
+    state_dir = _state_folder(folder, template)
     if optimizer is not None:
         saved = dist_checkpointing.load_common_state_dict(state_dir)["optimizer"]
         template["optimizer"] = _optimizer_template(model, saved)
@@ -175,14 +196,14 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
     return loaded["step"]
 
 
-def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, metadata: dict,
-                         naming: str) -> None:
+def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, params_dtype: str,
+                         config: LoRAConfig, naming: str) -> None:
     from modelzoo.registry import build_provider
 
     with runtime.parallel(tp=tp):
-        provider = build_provider(base, params_dtype=getattr(torch, metadata["params_dtype"]))
+        provider = build_provider(base, params_dtype=PARAMS_DTYPES[params_dtype])
         model = provider.provide()  # the base weights are not needed: only the adapters are written
-        apply_lora(model, provider, LoRAConfig(**metadata["lora"]))
+        apply_lora(model, provider, config)
         load_adapter_checkpoint(model, checkpoint_dir)
         save_adapter(model, provider, out_dir, naming)
 
@@ -201,10 +222,16 @@ def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
         raise ValueError(f"{checkpoint_dir} records no base checkpoint folder: give it (--base)")
     if Path(out_dir).exists():
         raise FileExistsError(f"output {out_dir} already exists; choose a new path or remove it")
+    try:
+        config = LoRAConfig(**metadata["lora"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{Path(checkpoint_dir) / METADATA_FILE}: its lora settings are not a LoRAConfig "
+                              f"({error})") from None
     provider = build_provider(base)
     if provider.name != metadata["architecture"]:
         raise ValueError(f"{checkpoint_dir} holds {metadata['architecture']} adapters; {base} is a "
                          f"{provider.name} model")
     provider.check_parallel_layout(tp)
-    runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata, naming)
+    runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata["params_dtype"],
+                config, naming)
     return {"architecture": provider.name, "step": metadata["step"], "output": str(out_dir)}

@@ -1,0 +1,207 @@
+"""What a torch_dist checkpoint may make when it is read: the objects of its metadata and plain data, never code.
+
+A torch_dist folder holds pickles, and unpickling runs whatever code its bytes name. torch's
+`FileSystemReader.read_metadata` reads `.metadata` with a plain `pickle.load`; torch's
+`DefaultLoadPlanner.load_bytes` reads each byte item of the `.distcp` files with
+`torch.load(weights_only=False)`, and Megatron-Core's `dist_checkpointing.load` and
+`load_common_state_dict` go through both (the `common_state` item; a LoRA checkpoint's RNG and
+optimizer state are byte items too; a legacy `common.pt` is read by `torch.load`'s default). A Megatron
+checkpoint downloaded from a hub or handed over by a colleague is untrusted input, so every path of
+modelzoo that reads one (`megatron_ckpt.load`, `megatron_ckpt.stream_weights`, the LoRA checkpoint
+loads and `export-adapter`) first calls `check_folder`, which reads every pickle of the folder itself:
+
+- `.metadata` with `RestrictedUnpickler`, which resolves only `METADATA_CLASSES` (torch's
+  distributed-checkpoint metadata dataclasses and enums, torch dtypes, `torch.Size`, `pathlib.PosixPath`:
+  what torch and Megatron write there);
+- every byte item, and `common.pt`, with torch's weights-only unpickler (`torch.load(weights_only=True)`:
+  tensors, containers, numbers, strings, None), with no class added to it;
+- and the layout: each item in a file of this folder (a plain name), inside that file.
+
+A pickle that names any other class or function is refused before anything else unpickles it
+(`UnsafeCheckpointError`, naming the class and the file), so nothing in a checkpoint is ever run. Once
+a folder has passed, torch and Megatron read the same bytes with their own unpicklers: a pickle
+resolves the same globals whichever unpickler reads it, and these readers have seen every one. (The
+folder must not be rewritten meanwhile: the check reads it once, then the load reads it again.)
+modelzoo's own tensor reader (torch_dist_streaming.py) takes the metadata `check_folder` returns.
+The list names what torch pickles there, private classes included (`_StorageInfo`, `_MEM_FORMAT_ENCODING`,
+`_get_layout`): a torch that pickles others has its checkpoints refused, naming the class, until it is added.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from conversion.safetensors_io import CheckpointError, is_int
+
+METADATA_FILE = ".metadata"
+CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}
+LEGACY_COMMON_FILE = "common.pt"
+
+_DCP = "torch.distributed.checkpoint"
+METADATA_CLASSES = frozenset({
+    (f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    # the save plans Megatron's planner records in the metadata (`all_local_plans`)
+    (f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                           "BytesIOWriteData")
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch's pickle of a layout: a lookup among torch's layouts by name
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the checkpoint's path when it was written
+} | {
+    ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+})
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint's pickle names a class or function outside the allow-list."""
+
+
+def _refusal(where: str, name: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"{where} needs {name}, which a checkpoint may not contain (only torch_dist metadata "
+                                 f"and plain data are read from one): refused, nothing in it was run")
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only `METADATA_CLASSES`; any other global is refused."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in METADATA_CLASSES:
+            raise _refusal(self.where, f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_metadata(path: str | os.PathLike):
+    """A torch_dist `.metadata` file, unpickled with `RestrictedUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as file:
+            metadata = RestrictedUnpickler(file, str(path)).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist: the folder is not a complete torch_dist checkpoint") from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever a malformed pickle of allowed classes raises
+        raise CheckpointError(f"{path} is not torch_dist metadata ({type(error).__name__}: {error})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} is not torch_dist metadata (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+def load_object(data: bytes, where: str):
+    """An object saved by `torch.save`, read by torch's weights-only unpickler (no class added)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+        except Exception:  # noqa: BLE001 - not even a readable torch.save archive: reported as below
+            unsafe = []
+        if unsafe:
+            raise _refusal(where, unsafe[0]) from None
+        raise CheckpointError(f"{where} is not a torch.save object ({str(error).splitlines()[0]})") from None
+    except Exception as error:  # noqa: BLE001 - a truncated or garbled archive
+        raise CheckpointError(f"{where} is not a torch.save object ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''})") from None
+
+
+def _is_shape(value) -> bool:
+    return isinstance(value, tuple) and all(is_int(size) and size >= 0 for size in value)
+
+
+def _check_tensor_entry(path: Path, key: str, entry) -> None:
+    """A tensor's entry: a dtype, a global shape and chunks that tile it without overlap."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+
+    where = f"{path}: tensor {key}"
+    if (not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype)
+            or not _is_shape(entry.size) or not isinstance(entry.chunks, list)):
+        raise CheckpointError(f"{where} has a malformed entry")
+    boxes = []
+    for chunk in entry.chunks:
+        if (not isinstance(chunk, ChunkStorageMetadata) or not _is_shape(chunk.offsets) or not _is_shape(chunk.sizes)
+                or len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size)
+                or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, entry.size))):
+            raise CheckpointError(f"{where}: a chunk lies outside its shape {list(entry.size)}")
+        boxes.append((chunk.offsets, chunk.sizes))
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(entry.size):
+        raise CheckpointError(f"{where}: its chunks hold {sum(math.prod(s) for _, s in boxes)} elements, "
+                              f"its shape {list(entry.size)} has {math.prod(entry.size)}")
+    for number, (offsets, sizes) in enumerate(boxes):
+        for other_offsets, other_sizes in boxes[number + 1:]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, other_offsets, other_sizes)):
+                raise CheckpointError(f"{where}: two of its chunks overlap")
+
+
+def check_folder(folder: str | os.PathLike):
+    """Read a torch_dist folder's metadata and every pickle in it safely, and check where its items lie.
+
+    Returns the metadata (`torch.distributed.checkpoint.metadata.Metadata`). Raises `CheckpointError`
+    (`UnsafeCheckpointError` for a pickle that needs a class outside the allow-list) naming the file."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    folder = Path(folder)
+    config = folder / CONFIG_FILE
+    try:
+        backend = json.loads(config.read_text()).get("sharded_backend")
+    except FileNotFoundError:
+        raise CheckpointError(f"{config} does not exist: {folder} is not a torch_dist checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise CheckpointError(f"{config} is not a JSON object") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{config}: sharded_backend is {backend!r}, modelzoo reads 'torch_dist' checkpoints")
+    metadata_path = folder / METADATA_FILE
+    metadata = read_metadata(metadata_path)
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{metadata_path} is not torch_dist metadata (no entries or no storage map)")
+    for key, entry in entries.items():
+        if not isinstance(key, str) or not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise CheckpointError(f"{metadata_path}: entry {key!r} is neither a tensor nor bytes")
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tensor_entry(metadata_path, key, entry)
+            indices = [MetadataIndex(key, chunk.offsets) for chunk in entry.chunks]
+        else:
+            indices = [MetadataIndex(key)]
+        if not all(index in storage for index in indices):
+            raise CheckpointError(f"{metadata_path}: entry {key} has no place in the checkpoint's files")
+    file_sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        if (not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo)
+                or not isinstance(info.relative_path, str) or not is_int(info.offset) or not is_int(info.length)):
+            raise CheckpointError(f"{metadata_path}: a storage entry is malformed")
+        name = info.relative_path
+        if name not in file_sizes:
+            # a file of this folder by its plain name: no path, so nothing outside the folder is read
+            if PurePosixPath(name).name != name or name in ("", ".", ".."):
+                raise CheckpointError(f"{metadata_path}: item {index.fqn} is in {name!r}, not a file of {folder}")
+            try:
+                file_sizes[name] = (folder / name).stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"{metadata_path}: item {index.fqn} is in {folder / name}, which does not exist") from None
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > file_sizes[name]:
+            raise CheckpointError(f"{folder / name} is truncated: item {index.fqn} spans bytes {info.offset} to "
+                                  f"{info.offset + info.length} of a {file_sizes[name]}-byte file")
+        if isinstance(entries.get(index.fqn), BytesStorageMetadata):
+            with open(folder / name, "rb") as file:
+                data = os.pread(file.fileno(), info.length, info.offset)
+            load_object(data, f"{folder / name}: item {index.fqn}")
+    if (folder / LEGACY_COMMON_FILE).exists():
+        load_object((folder / LEGACY_COMMON_FILE).read_bytes(), str(folder / LEGACY_COMMON_FILE))
+    return metadata

@@ -1,0 +1,722 @@
+"""Untrusted checkpoints and careless inputs: nothing in a checkpoint runs, nothing wrong is written, and every
+bad input ends with one line on stderr, exit code 2 and no output (nor staging folder) left behind.
+
+Crafted pickles create a marker file when unpickled; each is first shown to do so through torch's or
+Megatron's own reader (so the test would fail if modelzoo let that reader see it first), then refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conversion import megatron_ckpt, safe_pickle
+from conversion.cli import main
+from conversion.safetensors_io import CheckpointReader
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tiny_checkpoints"
+LLAMA = TINY / "llama-tiny"
+
+
+class RunsCode:
+    """Unpickled, it creates `marker` (a stand-in for any code an attacker would run)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error_line(err: str) -> str:
+    """The one line on stderr (after a progress bar, which erases itself with a carriage return)."""
+    lines = err.split("\r")[-1].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("modelzoo: error: "), err
+    return lines[0]
+
+
+def assert_refused(capsys, argv, message: str, folder: Path, expected_names: list[str]) -> str:
+    """`argv` ends with exit code 2, one line matching `message`, and `folder` holding only `expected_names`."""
+    code, _, err = run_cli(capsys, *argv)
+    line = one_error_line(err)
+    assert code == 2 and re.search(message, line), line
+    assert sorted(p.name for p in folder.iterdir()) == sorted(expected_names), "no output or staging folder may remain"
+    return line
+
+
+# --- Megatron checkpoints: fixtures ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """llama-tiny imported at TP 1 and TP 2, and loopcoder-tiny at TP 1 (another model's checkpoint)."""
+    folder = tmp_path_factory.mktemp("imported")
+    for name, source, tp in (("llama-tp1", LLAMA, 1), ("llama-tp2", LLAMA, 2), ("loopcoder", TINY / "loopcoder-tiny", 1)):
+        assert main(["import", str(source), str(folder / name), "--tp", str(tp)]) == 0
+    return folder
+
+
+@pytest.fixture
+def checkpoint(tmp_path, imported):
+    """A fresh copy of the TP-1 llama checkpoint to tamper with (in tmp_path/ckpt)."""
+    shutil.copytree(imported / "llama-tp1", tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def write_metadata(state: Path, metadata) -> None:
+    (state / safe_pickle.METADATA_FILE).write_bytes(pickle.dumps(metadata))
+
+
+def replace_byte_item(state: Path, fqn_prefix: str, payload: bytes) -> None:
+    """Make the byte item `fqn_prefix*` of a torch_dist folder hold `payload` (appended to its file)."""
+    metadata = safe_pickle.read_metadata(state / safe_pickle.METADATA_FILE)
+    [info] = [info for index, info in metadata.storage_data.items() if index.fqn.startswith(fqn_prefix)]
+    file = state / info.relative_path
+    info.offset, info.length = file.stat().st_size, len(payload)
+    with open(file, "ab") as handle:
+        handle.write(payload)
+    write_metadata(state, metadata)
+
+
+def torch_saved(value) -> bytes:
+    buffer = __import__("io").BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+# --- crafted pickles ------------------------------------------------------------------------------------
+def test_clean_checkpoints_written_at_tp1_and_tp2_pass_and_need_only_the_listed_classes(imported):
+    for name in ("llama-tp1", "llama-tp2", "loopcoder"):
+        metadata = safe_pickle.check_folder(imported / name / "release")
+        assert "common_state/shard_0_1" in metadata.state_dict_metadata
+
+
+def test_a_crafted_metadata_pickle_runs_nothing(capsys, tmp_path, checkpoint):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    marker = tmp_path / "marker"
+    write_metadata(checkpoint / "release", RunsCode(marker))
+    with pytest.raises(Exception):
+        FileSystemReader(str(checkpoint / "release")).read_metadata()  # torch's reader: a plain pickle.load
+    assert marker.exists(), "the crafted file runs code through torch's own reader"
+    marker.unlink()
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"],
+                   r"release/\.metadata needs posix\.system, which a checkpoint may not contain", tmp_path, ["ckpt"])
+    assert not marker.exists()
+
+
+def test_a_correct_checkpoint_with_a_payload_in_its_metadata_is_refused(capsys, tmp_path, checkpoint):
+    """Everything else right, so the conversion would succeed: the payload must not ride along unnoticed."""
+    marker = tmp_path / "marker"
+    state = checkpoint / "release"
+    metadata = safe_pickle.read_metadata(state / safe_pickle.METADATA_FILE)
+    metadata.planner_data = {"note": RunsCode(marker)}
+    write_metadata(state, metadata)
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"], r"needs posix\.system", tmp_path, ["ckpt"])
+    assert not marker.exists()
+
+
+def test_a_dotted_name_cannot_reach_past_an_allowed_class(tmp_path, checkpoint):
+    """Protocol 4 resolves `module` + `a.b.c` by attribute access: only exact allowed names are resolved."""
+    def text(value: str) -> bytes:
+        return b"\x8c" + bytes([len(value)]) + value.encode()
+
+    path = tmp_path / "dotted.metadata"
+    path.write_bytes(b"\x80\x04" + text("torch.distributed.checkpoint.metadata")
+                     + text("Metadata.__init__.__globals__") + b"\x93.")  # STACK_GLOBAL, STOP
+    assert isinstance(pickle.loads(path.read_bytes()), dict), "a plain unpickler hands out the module's globals"
+    with pytest.raises(safe_pickle.UnsafeCheckpointError, match=r"Metadata\.__init__\.__globals__"):
+        safe_pickle.read_metadata(path)
+
+
+@pytest.mark.parametrize("where", ["common_state item", "legacy common.pt"])
+def test_a_crafted_common_state_runs_nothing(capsys, tmp_path, checkpoint, where):
+    from megatron.core import dist_checkpointing
+
+    marker = tmp_path / "marker"
+    state = checkpoint / "release"
+    if where == "common_state item":
+        replace_byte_item(state, "common_state", torch_saved(RunsCode(marker)))
+        with pytest.raises(Exception):
+            dist_checkpointing.load_common_state_dict(str(state))  # Megatron: torch.load(weights_only=False)
+        assert marker.exists(), "the crafted item runs code through Megatron's own reader"
+        marker.unlink()
+        message = r"__0_0\.distcp: item common_state/shard_0_1 needs posix\.system"
+    else:
+        (state / "common.pt").write_bytes(torch_saved(RunsCode(marker)))
+        message = r"release/common\.pt needs posix\.system"
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"], message, tmp_path, ["ckpt"])
+    assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory):
+    from modelzoo import build_provider, runtime
+    from modelzoo.lora import LoRAConfig, adapter_parameters, apply_lora, save_training_checkpoint
+
+    folder = tmp_path_factory.mktemp("lora") / "checkpoint"
+    with runtime.parallel():
+        provider = build_provider(LLAMA)
+        model = provider.provide()
+        apply_lora(model, provider, LoRAConfig(rank=2, alpha=4.0))
+        optimizer = torch.optim.AdamW(adapter_parameters(model).values(), lr=1e-3)
+        (-provider.token_logprobs(model, torch.randint(0, 256, (1, 8))).mean()).backward()
+        optimizer.step()
+        save_training_checkpoint(model, provider, folder, optimizer, step=1)
+    return folder
+
+
+@pytest.mark.parametrize("crafted", ["clean (control)", ".metadata", "rng_state item"])
+def test_lora_checkpoints_load_and_a_crafted_one_runs_nothing(capsys, tmp_path, lora_checkpoint, crafted):
+    checkpoint = tmp_path / "lora"
+    shutil.copytree(lora_checkpoint, checkpoint)
+    marker, state = tmp_path / "marker", checkpoint / "state"
+    if crafted == ".metadata":
+        write_metadata(state, RunsCode(marker))
+    elif crafted == "rng_state item":
+        replace_byte_item(state, "rng_state", torch_saved(RunsCode(marker)))
+    argv = ["export-adapter", checkpoint, tmp_path / "adapter"]
+    if crafted.startswith("clean"):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+        return
+    assert_refused(capsys, argv, r"needs posix\.system", tmp_path, ["lora"])
+    assert not marker.exists()
+
+    from modelzoo import build_provider, runtime
+    from modelzoo.lora import LoRAConfig, apply_lora, resume_training
+
+    with runtime.parallel():  # the library's resume path too
+        provider = build_provider(LLAMA)
+        model = provider.provide()
+        apply_lora(model, provider, LoRAConfig(rank=2, alpha=4.0))
+        with pytest.raises(safe_pickle.UnsafeCheckpointError, match=r"posix\.system"):
+            resume_training(model, checkpoint)
+    assert not marker.exists()
+
+
+# --- damaged Megatron checkpoints ------------------------------------------------------------------------
+def truncate_distcp(folder: Path) -> None:
+    data = (folder / "release" / "__0_0.distcp").read_bytes()
+    (folder / "release" / "__0_0.distcp").write_bytes(data[: len(data) * 2 // 3])
+
+
+def item_outside_the_folder(folder: Path) -> None:
+    state = folder / "release"
+    metadata = safe_pickle.read_metadata(state / safe_pickle.METADATA_FILE)
+    next(iter(metadata.storage_data.values())).relative_path = "../modelzoo.json"
+    write_metadata(state, metadata)
+
+
+def modelzoo_json(**changes):
+    def edit(folder: Path) -> None:
+        path = folder / megatron_ckpt.METADATA_FILE
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return edit
+
+
+DAMAGED = {
+    "truncated .distcp": (truncate_distcp, r"release/__0_0\.distcp is truncated: item .* spans bytes"),
+    "missing .metadata": (lambda f: (f / "release" / ".metadata").unlink(), r"release/\.metadata does not exist"),
+    "garbage .metadata": (lambda f: (f / "release" / ".metadata").write_bytes(b"\x80\x04garbage" * 9),
+                          r"release/\.metadata is not torch_dist metadata"),
+    "empty .metadata": (lambda f: (f / "release" / ".metadata").write_bytes(b""),
+                        r"release/\.metadata is not torch_dist metadata"),
+    "item outside the folder": (item_outside_the_folder, r"is in '\.\./modelzoo\.json', not a file of"),
+    "garbage metadata.json": (lambda f: (f / "release" / "metadata.json").write_text("{oops"),
+                              r"release/metadata\.json is not a JSON object"),
+    "garbage modelzoo.json": (lambda f: (f / "modelzoo.json").write_text("[1, 2"), r"modelzoo\.json is not JSON"),
+    "modelzoo.json without a dtype": (modelzoo_json(dtype=None), r"modelzoo\.json must name the architecture and a dtype"),
+    "modelzoo.json's dtype against the data": (modelzoo_json(dtype="bfloat16"),
+                                              r"tensor embedding\.word_embeddings\.weight is stored as torch\.float32, "
+                                              r"the model \(modelzoo\.json's dtype bfloat16\) has torch\.bfloat16"),
+    "tracker holding ../": (lambda f: (f / "latest_checkpointed_iteration.txt").write_text("../other"),
+                            r"latest_checkpointed_iteration\.txt holds '\.\./other': an iteration number or 'release'"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_damaged_megatron_checkpoint_gets_one_line(capsys, tmp_path, checkpoint, case):
+    damage, message = DAMAGED[case]
+    damage(checkpoint)
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"], message, tmp_path, ["ckpt"])
+
+
+def test_another_models_metadata_gets_one_line(capsys, tmp_path, checkpoint, imported):
+    shutil.copy(imported / "loopcoder" / "release" / ".metadata", checkpoint / "release" / ".metadata")
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"], r"release/(\.metadata|__0_0\.distcp)",
+                   tmp_path, ["ckpt"])
+
+
+def test_a_bfloat16_import_exports_a_config_that_says_bfloat16(capsys, tmp_path):
+    assert run_cli(capsys, "import", LLAMA, tmp_path / "megatron", "--dtype", "bfloat16")[0] == 0
+    assert run_cli(capsys, "export", tmp_path / "megatron", tmp_path / "hf")[0] == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {tensor.dtype for tensor in exported.values()} == {torch.bfloat16}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    assert {k: v for k, v in config.items() if k != "torch_dtype"} == {
+        k: v for k, v in json.loads((LLAMA / "config.json").read_text()).items() if k != "torch_dtype"}
+    original = load_file(LLAMA / "model.safetensors")
+    assert all(torch.equal(exported[name], tensor.to(torch.bfloat16)) for name, tensor in original.items())
+
+
+# --- safetensors headers and index ----------------------------------------------------------------------
+def rewrite_header(path: Path, edit) -> None:
+    """Edit the JSON header of a safetensors file in place (the data section kept as it is)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+
+def hf_copy(tmp_path: Path, source: Path = LLAMA) -> Path:
+    shutil.copytree(source, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def negative_start(header):
+    begin, end = header[EMBED]["data_offsets"]
+    header[EMBED]["data_offsets"] = [-64, end - begin - 64]
+
+
+def overlapping(header):
+    begin = header[EMBED]["data_offsets"][0]  # the norm's bytes said to be the first of the embedding's
+    header["model.norm.weight"]["data_offsets"] = [begin, begin + 4 * header["model.norm.weight"]["shape"][0]]
+
+
+def as_integers(header):
+    header[EMBED]["dtype"] = "I32"  # same size as F32: only the kind of dtype is wrong
+
+
+def as_bytes(header):
+    header[EMBED]["dtype"] = "I8"
+    header[EMBED]["shape"] = [header[EMBED]["shape"][0], header[EMBED]["shape"][1] * 4]
+
+
+def wrong_size(header):
+    header[EMBED]["shape"] = [header[EMBED]["shape"][0] - 1, header[EMBED]["shape"][1]]
+
+
+HEADERS = {
+    "negative start offset": (negative_start, r"tensor model\.embed_tokens\.weight: its data_offsets \[-64, \d+\] are not a byte range"),
+    "overlapping tensors": (overlapping, r"tensors .* and .* overlap"),
+    "I32 for a float weight": (as_integers, r"tensor model\.embed_tokens\.weight is stored as torch\.int32, the model expects a floating-point tensor"),
+    "I8 for a float weight": (as_bytes, r"tensor model\.embed_tokens\.weight is stored as torch\.int8"),
+    "size not shape x dtype": (wrong_size, r"tensor model\.embed_tokens\.weight has 65536 bytes, its shape \[255, 64\] and dtype F32 need 65280"),
+    "bytes of no tensor": (lambda h: h.pop("model.norm.weight"), r"bytes \d+ to \d+ of its data section belong to no tensor"),
+    "offset as a string": (lambda h: h[EMBED].update(data_offsets=["0", "8"]), r"its data_offsets \['0', '8'\] are not two byte offsets"),
+    "no shape": (lambda h: h[EMBED].pop("shape"), r"its entry must have a dtype, a shape and data_offsets"),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADERS))
+def test_bad_safetensors_header_is_refused_naming_the_tensor(capsys, tmp_path, case):
+    edit, message = HEADERS[case]
+    folder = hf_copy(tmp_path)
+    rewrite_header(folder / "model.safetensors", edit)
+    assert_refused(capsys, ["import", folder, tmp_path / "out"], message, tmp_path, ["hf"])
+
+
+def test_a_name_given_twice_in_a_header_is_refused(tmp_path):
+    folder = hf_copy(tmp_path)
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + length].decode().rstrip()
+    entry = json.dumps({EMBED: json.loads(header)[EMBED]})[1:-1]
+    raw = ("{" + entry + "," + header[1:]).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    with pytest.raises(ValueError, match=r"its header names model\.embed_tokens\.weight twice"):
+        CheckpointReader(folder)
+
+
+def sharded(tmp_path: Path) -> Path:
+    """llama-tiny as two shards and an index."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shutil.copy(LLAMA / "config.json", folder)
+    tensors = load_file(LLAMA / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for number, part in enumerate((names[:5], names[5:])):
+        file = f"model-0000{number + 1}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors", "link/x"])
+def test_index_entries_outside_the_folder_are_refused(capsys, tmp_path, shard):
+    folder = sharded(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(folder / "model-00001-of-00002.safetensors", tmp_path / "outside.safetensors")
+    shutil.copy(folder / "model-00001-of-00002.safetensors", tmp_path / "elsewhere" / "x")
+    (folder / "link").symlink_to(tmp_path / "elsewhere")  # a folder inside that leads outside
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: shard if file.startswith("model-00001") else file for name, file in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_refused(capsys, ["import", folder, tmp_path / "out"], rf"lists '{re.escape(shard)}', which is not a file of",
+                   tmp_path, ["sharded", "outside.safetensors", "elsewhere"])
+
+
+def test_an_hf_cache_snapshot_of_links_to_blobs_imports(capsys, tmp_path):
+    """The Hub's cache: snapshots/<rev>/<file> is a link to blobs/<hash>; the links lead outside the folder."""
+    folder = sharded(tmp_path)
+    blobs, snapshot = tmp_path / "cache" / "blobs", tmp_path / "cache" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(folder.iterdir())):
+        shutil.copy(file, blobs / f"blob{number}")
+        (snapshot / file.name).symlink_to(Path("../../blobs") / f"blob{number}")
+    code, _, err = run_cli(capsys, "import", snapshot, tmp_path / "out")
+    assert code == 0, err
+    assert run_cli(capsys, "export", tmp_path / "out", tmp_path / "back")[0] == 0
+    original, back = load_file(LLAMA / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[n], t) for n, t in original.items())
+
+
+# --- weights and config values --------------------------------------------------------------------------
+def with_weights(tmp_path: Path, **values) -> Path:
+    folder = hf_copy(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    for position, (name, value) in enumerate(values.items()):
+        tensors[name.replace("__", ".")].view(-1)[7 + position] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+NAN_TENSOR = "model__layers__1__mlp__down_proj__weight"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("command", ["import", "logprobs-megatron", "logprobs-hf", "parity"])
+def test_non_finite_weights_are_refused_naming_the_tensor(capsys, tmp_path, value, command):
+    folder = with_weights(tmp_path, **{NAN_TENSOR: value})
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3, 4]]")
+    argv = {"import": ["import", folder, tmp_path / "out"],
+            "logprobs-megatron": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out"],
+            "logprobs-hf": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out", "--backend", "hf"],
+            "parity": ["parity", folder, "--seq-len", 8]}[command]
+    assert_refused(capsys, argv, rf"model\.safetensors: tensor model\.layers\.1\.mlp\.down_proj\.weight holds {value} "
+                   r"at element 7: .*--allow-non-finite", tmp_path, ["hf", "tokens.json"])
+
+
+def test_a_rank_failing_mid_write_leaves_no_staging_folder(capsys, tmp_path):
+    """At TP 2, rank 1 meets a NaN in its half of lm_head (the last tensor written) while rank 0 holds the
+    staging folder: the run stops both, and the staging folder of the rank it killed goes too."""
+    folder = hf_copy(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"][-1, -1] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_refused(capsys, ["import", folder, tmp_path / "out", "--tp", 2],
+                   r"tensor lm_head\.weight holds nan at element 16383", tmp_path, ["hf"])
+
+
+def test_non_finite_weights_load_when_allowed_and_logprobs_stay_strict_json(capsys, tmp_path):
+    folder = with_weights(tmp_path, **{NAN_TENSOR: float("nan")})
+    code, _, err = run_cli(capsys, "import", folder, tmp_path / "megatron", "--allow-non-finite")
+    assert code == 0, err
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3, 4]]")
+    # the NaN reaches every log-prob after the first layer: an error, not `NaN` in the JSON
+    assert_refused(capsys, ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out.json", "--allow-non-finite"],
+                   r"sequence 0 of .*tokens\.json: the log-probability at position 0 is nan; nothing was written",
+                   tmp_path, ["hf", "megatron", "tokens.json"])
+
+
+def config_edit(**changes):
+    return lambda config: config.update(changes)
+
+
+CONFIGS = {
+    "negative rms_norm_eps": ({"rms_norm_eps": -1e-5}, r"rms_norm_eps is -1e-05; it must be above 0"),
+    "zero layers": ({"num_hidden_layers": 0}, r"num_hidden_layers is 0; it must be at least 1"),
+    "negative layers": ({"num_hidden_layers": -2}, r"num_hidden_layers is -2; it must be at least 1"),
+    "zero heads": ({"num_attention_heads": 0}, r"num_attention_heads is 0; it must be at least 1"),
+    "negative kv heads": ({"num_key_value_heads": -2}, r"num_key_value_heads is -2; it must be at least 1"),
+    "fractional hidden size": ({"hidden_size": 64.5}, r"hidden_size is 64\.5; it must be int"),
+    "layers as a string": ({"num_hidden_layers": "2"}, r"num_hidden_layers is '2'; it must be int"),
+    "layers as a boolean": ({"num_hidden_layers": True}, r"num_hidden_layers is True; it must be int"),
+    "NaN rope_theta": ({"rope_theta": float("nan")}, r"rope_theta is nan; only finite numbers are allowed"),
+    "negative rope_theta": ({"rope_theta": -10000.0}, r"rope_theta is -10000\.0; it must be above 0"),
+    "a boolean as a string": ({"tie_word_embeddings": "no"}, r"tie_word_embeddings is 'no'; it must be bool"),
+    "more than 64 bits": ({"vocab_size": 2**64}, r"vocab_size is 18446744073709551616, more than a 64-bit integer holds"),
+    "heads not a multiple of kv heads": ({"num_key_value_heads": 3},
+                                         r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+@pytest.mark.parametrize("model", ["llama-tiny", "loopcoder-tiny", "deepseek-v4-tiny"])
+def test_invalid_config_values_are_refused_naming_the_field_and_file(capsys, tmp_path, case, model):
+    changes, message = CONFIGS[case]
+    folder = hf_copy(tmp_path, TINY / model)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    assert_refused(capsys, ["import", folder, tmp_path / "out"], rf"hf/config\.json: {message}", tmp_path, ["hf"])
+
+
+# --- the config against its checkpoint, before anything is built -----------------------------------------
+OVERSIZED = {
+    # 64k hidden x 256k intermediate x 2 layers + a 1M vocabulary: ~230 GB in float32
+    "tens of GB": (dict(hidden_size=65536, intermediate_size=262144, vocab_size=1 << 20, head_dim=16384),
+                   r"hf: its config\.json claims vocab_size 1048576, more than the 119104 weights of the checkpoint"),
+    "a million layers": (dict(num_hidden_layers=10**6), r"hf: its config\.json claims 1000000 layers \(num_hidden_layers\), "
+                         r"its weights hold 21 tensors in all"),
+    "other shapes": (dict(intermediate_size=320), r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[160, 64\], "
+                     r"the model expects \[320, 64\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERSIZED))
+@pytest.mark.parametrize("command", ["parity", "logprobs-megatron", "logprobs-hf"])
+def test_a_config_that_does_not_fit_its_checkpoint_is_refused_before_a_model_is_built(capsys, tmp_path, monkeypatch,
+                                                                                       command, case):
+    from modelzoo import parity
+    from modelzoo.provider import ModelProvider
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(ModelProvider, "provide", never)
+    monkeypatch.setattr(parity, "load_hf_model", never)
+    changes, message = OVERSIZED[case]
+    folder = hf_copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3]]")
+    argv = {"parity": ["parity", folder],
+            "logprobs-megatron": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out"],
+            "logprobs-hf": ["logprobs", folder, "--tokens", tokens, "--out", tmp_path / "out", "--backend", "hf"]}[command]
+    assert_refused(capsys, argv, message, tmp_path, ["hf", "tokens.json"])
+
+
+# --- arguments and token files --------------------------------------------------------------------------
+ARGUMENTS = {
+    "--tp 0": (["import", LLAMA, "OUT", "--tp", "0"], r"--tp 0: it must be at least 1"),
+    "--ep 0": (["import", LLAMA, "OUT", "--ep", "0"], r"--ep 0: it must be at least 1"),
+    "export --tp -1": (["export", "MISSING", "OUT", "--tp", "-1"], r"--tp -1: it must be at least 1"),
+    "parity --seq-len 0": (["parity", LLAMA, "--seq-len", "0"], r"--seq-len 0: it must be at least 2"),
+    "parity --batch 0": (["parity", LLAMA, "--batch", "0"], r"--batch 0: it must be at least 1"),
+    "--max-shard-bytes 0": (["export", "MISSING", "OUT", "--max-shard-bytes", "0"], r"--max-shard-bytes 0"),
+    "--tolerance nan": (["parity", LLAMA, "--tolerance", "nan"], r"--tolerance nan: it must be a finite number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGUMENTS))
+def test_out_of_range_arguments_get_one_line(capsys, tmp_path, case):
+    argv, message = ARGUMENTS[case]
+    argv = [tmp_path / "out" if a == "OUT" else tmp_path / "missing" if a == "MISSING" else a for a in argv]
+    assert_refused(capsys, argv, message, tmp_path, [])
+
+
+@pytest.mark.parametrize("tokens", ["[[1, true, 3]]", "[[1, 2.0, 3]]", "[[1, -1]]", "[[1, 256]]", "[[1]]", "{}"])
+def test_bad_token_files_get_one_line(capsys, tmp_path, tokens):
+    (tmp_path / "tokens.json").write_text(tokens)
+    assert_refused(capsys, ["logprobs", LLAMA, "--tokens", tmp_path / "tokens.json", "--out", tmp_path / "out.json"],
+                   r"token file .*tokens\.json", tmp_path, ["tokens.json"])
+
+
+# --- outputs --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("out", ["existing file", "existing folder", "missing folder"])
+def test_logprobs_output_is_never_overwritten_nor_left_half_written(capsys, tmp_path, out):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3]]")
+    target = {"existing file": tmp_path / "out.json", "existing folder": tmp_path / "folder",
+              "missing folder": tmp_path / "nowhere" / "out.json"}[out]
+    if out == "existing file":
+        target.write_text("mine")
+    elif out == "existing folder":
+        target.mkdir()
+    expected = sorted(p.name for p in tmp_path.iterdir())
+    message = r"output .* already exists" if out.startswith("existing") else r"its folder .*nowhere does not exist"
+    assert_refused(capsys, ["logprobs", LLAMA, "--tokens", tokens, "--out", target], message, tmp_path, expected)
+    if out == "existing file":
+        assert target.read_text() == "mine"
+
+
+def test_logprobs_writes_strict_json(capsys, tmp_path):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3, 4]]")
+    assert run_cli(capsys, "logprobs", LLAMA, "--tokens", tokens, "--out", tmp_path / "out.json")[0] == 0
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    values = json.loads((tmp_path / "out.json").read_text(), parse_constant=refuse)["logprobs"]
+    assert len(values[0]) == 3 and all(v < 0 for v in values[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "tokens.json"]
+
+
+FULL_DISK = """
+import errno, os, sys
+from conversion import cli, torch_dist_streaming
+
+class FillingFile:
+    # the .distcp file, on a disk that is full after a few writes
+    def __init__(self, file):
+        self.file, self.writes = file, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes > int(sys.argv[1]):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+real_init = torch_dist_streaming.CopyingStream.__init__
+torch_dist_streaming.CopyingStream.__init__ = lambda self, file, copier: real_init(self, FillingFile(file), copier)
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("writes", [3, 40], ids=["in a byte item", "in a tensor"])
+def test_a_full_disk_during_import_gets_one_line_and_exit_2(tmp_path, writes):
+    """In a process of its own: the exit code is the process's (an error inside torch's writer once left
+    objects that crashed CPython 3.12.1's garbage collector at exit: 139 after the right message)."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(writes), "import", str(LLAMA), str(tmp_path / "out")],
+                          capture_output=True, cwd=ROOT, timeout=300)  # bytes: text mode turns \r into \n
+    line = one_error_line(done.stderr.decode())
+    assert done.returncode == 2, done.stderr.decode()[-2000:]
+    assert re.fullmatch(r"modelzoo: error: no space left on device writing .*/out; nothing was written", line), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, number, words", [("import", errno.EROFS, "read-only file system"),
+                                                     ("export", errno.EROFS, "read-only file system"),
+                                                     ("export", errno.ENOSPC, "no space left on device")])
+def test_a_read_only_output_or_a_full_disk_gets_one_line(capsys, tmp_path, monkeypatch, imported, command, number, words):
+    """The folder cannot be made (read-only) or a write fails part way (a full disk): what the system said,
+    naming the output, not a traceback."""
+    import gc
+
+    def fail(*args, **kwargs):
+        raise OSError(number, os.strerror(number))
+
+    where = "tempfile.mkdtemp" if number == errno.EROFS else "conversion.safetensors_io.RegionCopier.write"
+    monkeypatch.setattr(where, fail)
+    argv = ["import", LLAMA, tmp_path / "out"] if command == "import" else ["export", imported / "llama-tp1", tmp_path / "out"]
+    assert_refused(capsys, argv, rf"{words} writing .*/out; nothing was written", tmp_path, [])
+    gc.collect()  # what the failed write left is collectable
+
+
+def test_what_dead_runs_staged_is_removed_and_nothing_else(capsys, tmp_path):
+    from conversion.safetensors_io import remove_stale_staging, staging_prefix
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has ended
+    ours = staging_prefix(tmp_path / "out.json")  # this host, this (living) process
+    host = ours.split(".partial-")[1].rsplit("-", 2)[0]
+    staged = {"dead file": tmp_path / f".out.json.partial-{host}-{dead_pid}-abc",
+              "dead folder": tmp_path / f".out.json.partial-{host}-{dead_pid}-def",
+              "living": tmp_path / f"{ours}ghi", "other host": tmp_path / f".out.json.partial-elsewhere-{dead_pid}-jkl",
+              "other output": tmp_path / f".other.partial-{host}-{dead_pid}-mno"}
+    for name, path in staged.items():
+        path.mkdir() if "folder" in name else path.write_text("half")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[[1, 2, 3]]")
+    assert run_cli(capsys, "logprobs", LLAMA, "--tokens", tokens, "--out", tmp_path / "out.json")[0] == 0
+    assert {name for name, path in staged.items() if path.exists()} == {"living", "other host", "other output"}
+    assert remove_stale_staging(tmp_path / "out.json") == []
+
+
+# --- signals and rank processes -------------------------------------------------------------------------
+# started by every Python process of the run (the CLI and its spawned ranks): the rename that publishes a
+# staging folder first announces itself (a file named after the process) and waits, so that the test can
+# stop the run exactly there
+SLOW_PUBLISH = '''
+import os, time
+_replace = os.replace
+
+def replace(source, target, *args, **kwargs):
+    if ".partial-" in os.fspath(source):
+        open(os.path.join(os.environ["PUBLISH_WAIT"], f"publishing-{os.getpid()}"), "w").close()
+        time.sleep(float(os.environ.get("PUBLISH_DELAY", "60")))
+    return _replace(source, target, *args, **kwargs)
+
+os.replace = replace
+'''
+
+
+def start_slow_import(tmp_path: Path, out: Path, tp: int) -> tuple[subprocess.Popen, list[int]]:
+    """`modelzoo import` in a subprocess, stopped when about to publish; returns it and the publishing pid."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(SLOW_PUBLISH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)]), "PUBLISH_WAIT": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(out), "--tp", str(tp)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("publishing-*")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    return process, [int(p.name.split("-")[1]) for p in tmp_path.glob("publishing-*")]
+
+
+def test_sigterm_of_a_tp2_import_unwinds_like_ctrl_c(tmp_path):
+    out = tmp_path / "out"
+    process, _ = start_slow_import(tmp_path, out, tp=2)
+    assert list(tmp_path.glob(".out.partial-*")), "rank 0 is about to publish its staging folder"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written"
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kill test reads /proc")
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has ended, but for its parent's wait
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def test_killing_the_parent_kills_its_ranks_and_the_next_run_removes_their_staging_folder(capsys, tmp_path):
+    out = tmp_path / "out"
+    process, [publishing_rank] = start_slow_import(tmp_path, out, tp=2)
+    process.kill()  # SIGKILL: nothing of the parent runs
+    process.communicate()
+    deadline = time.monotonic() + 10
+    while alive(publishing_rank):
+        assert time.monotonic() < deadline, "a rank outlived its parent"
+        time.sleep(0.1)
+    [stale] = tmp_path.glob(".out.partial-*")
+    assert not out.exists(), "the rank never published"
+    code, _, err = run_cli(capsys, "import", LLAMA, out)
+    assert code == 0, err
+    assert not stale.exists() and out.is_dir()
