@@ -31,7 +31,15 @@ from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
+from modelzoo.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.sequences import TokenLayout, plain_layout
+
+# recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
+SELECTIVE_RECOMPUTE = {
+    "core_attn": "compressor, indexer and attention over window and compressed entries",
+    "layernorm": "hyper-connection maps and the norms after them",
+    "moe": "router, routed and shared experts",
+}
 
 
 def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
@@ -40,15 +48,26 @@ def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, layer_type: str, mlp_type: str, attention: str = "exact"):
+    def __init__(self, config, args: DeepseekV4Args, layer_type: str, mlp_type: str, attention: str = "exact",
+                 recompute: frozenset[str] = frozenset()):
         super().__init__()
         self.layer_type, self.mlp_type = layer_type, mlp_type
         self.attn_hc = hyper_connection(config, args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attention = DeepseekV4Attention(config, args, layer_type, attention)
+        self.self_attention = DeepseekV4Attention(config, args, layer_type, attention,
+                                                  recompute_core="core_attn" in recompute)
         self.ffn_hc = hyper_connection(config, args)
         self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = DeepseekV4MoE(config, args, mlp_type)
+        self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
+
+    def _attention_input(self, streams: torch.Tensor):
+        post, comb, collapsed, streams = self.attn_hc(streams)
+        return post, comb, self.input_layernorm(collapsed), streams
+
+    def _mlp_input(self, streams: torch.Tensor):
+        post, comb, collapsed, streams = self.ffn_hc(streams)
+        return post, comb, self.pre_mlp_layernorm(collapsed), streams
 
     def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
                 layout: TokenLayout | None = None, unrouted: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,22 +75,36 @@ class DeepseekV4DecoderLayer(nn.Module):
         unrouted [B, S] bool: tokens that go to no expert (padding)."""
         if layout is None:
             layout = plain_layout(streams.shape[0], streams.shape[1], streams.device)
-        post, comb, collapsed, streams = self.attn_hc(streams)
-        attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids, layout)
+        post, comb, normed, streams = recomputed(self._attention_input, self.recompute_norms)(streams)
+        attn_output = self.self_attention(normed, position_ids, layout)
         streams = hc_residual(post, comb, attn_output, streams)
-        post, comb, collapsed, streams = self.ffn_hc(streams)
-        mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids, unrouted)
+        post, comb, normed, streams = recomputed(self._mlp_input, self.recompute_norms)(streams)
+        mlp_output = recomputed(self.mlp, self.recompute_mlp)(normed, input_ids, unrouted)
         return hc_residual(post, comb, mlp_output, streams)
 
 
 class DeepseekV4Decoder(nn.Module):
     def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
         super().__init__()
+        recompute = selective_modules(config, "DeepSeek-V4", SELECTIVE_RECOMPUTE)
         self.layers = nn.ModuleList(
-            DeepseekV4DecoderLayer(config, args, layer_type, mlp_type, attention)
+            DeepseekV4DecoderLayer(config, args, layer_type, mlp_type, attention, recompute)
             for layer_type, mlp_type in zip(args.layer_types, args.mlp_layer_types, strict=True))
         self.hc_head = HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps, config.init_method_std)
         self.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.recompute_groups = full_recompute_groups(config, len(self.layers))
+        self.recomputing = any(recompute for _, recompute in self.recompute_groups) or bool(recompute)
+
+    def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
+                layout: TokenLayout, unrouted: torch.Tensor | None) -> torch.Tensor:
+        """Every layer in turn; under full recompute each run of layers keeps only its input streams."""
+        for layers, recompute in self.recompute_groups:
+            def run(streams, layers=layers):
+                for index in layers:
+                    streams = self.layers[index](streams, position_ids, input_ids, layout, unrouted)
+                return streams
+            streams = recomputed(run, recompute)(streams)
+        return streams
 
 
 class DeepseekV4Model(MegatronModule):
@@ -118,6 +151,9 @@ class DeepseekV4Model(MegatronModule):
         """
         from megatron.core import parallel_state
 
+        if self.decoder.recomputing:
+            raise ValueError("DeepSeek-V4 CUDA graphs: a captured layer keeps its activations in the graph's pool; "
+                             "capture without activation recompute (recompute_granularity None)")
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             raise ValueError("DeepSeek-V4 CUDA graphs: expert parallelism sizes the expert groups on the host "
                              "each forward; capture with expert_model_parallel_size 1")
@@ -221,8 +257,7 @@ class DeepseekV4Model(MegatronModule):
                 and not deciding(self):
             streams = graphs(streams, position_ids, input_ids)
         else:
-            for layer in self.decoder.layers:
-                streams = layer(streams, position_ids, input_ids, layout, unrouted)
+            streams = self.decoder(streams, position_ids, input_ids, layout, unrouted)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
         if return_mtp or (labels is not None and self.mtp_loss_scale):
             if not self.mtp.layers:
