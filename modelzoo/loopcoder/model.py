@@ -35,11 +35,11 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import divide
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from modelzoo import gpt_call
 from modelzoo.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
+from modelzoo.recompute import recomputed
 from modelzoo.replicated_kv import QKVParallelLinear
 from modelzoo.sequences import TokenLayout
 
@@ -103,9 +103,8 @@ class LoopCoderAttention(MegatronModule):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, layout: TokenLayout) -> Tensor:
         scale = self.head_dim**-0.5
-        if self.recompute_core_attention and torch.is_grad_enabled():
-            return checkpoint(attention, q, k, v, scale, window, self.attention_impl, 0.0, layout, use_reentrant=False)
-        return attention(q, k, v, scale, window, self.attention_impl, layout=layout)
+        return recomputed(attention, self.recompute_core_attention)(q, k, v, scale, window, self.attention_impl, 0.0,
+                                                                    layout)
 
     def forward(self, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
                 loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
@@ -155,11 +154,8 @@ class LoopCoderDecoder(MegatronModule):
 
     def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
              loop1_kv: LoopKV | None):
-        if self.recompute_layers and torch.is_grad_enabled():
-            # non-reentrant checkpoint: loop-1 K/V are outputs of the recomputed region and loop-2
-            # inputs to it, and gradients reach them through both paths
-            return checkpoint(layer, hidden, rotary, layout, loop1_kv, use_reentrant=False)
-        return layer(hidden, rotary, layout, loop1_kv)
+        # loop-1 K/V are outputs of a recomputed layer and loop-2 inputs to it: gradients reach them through both
+        return recomputed(layer, self.recompute_layers)(hidden, rotary, layout, loop1_kv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # Megatron's default treats a plain ModuleList as replicated; each layer knows its own TP split
