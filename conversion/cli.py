@@ -2,6 +2,9 @@
 
 `--tp N --ep M` runs N x M ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
+
+torch, Megatron-Core and transformers' modeling code are imported by the commands that use them, after
+the checks that need none of them: help, `list`, argument errors and most refused inputs answer at once.
 """
 
 from __future__ import annotations
@@ -27,19 +30,15 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-import torch  # noqa: E402
-
-from conversion import engine, megatron_ckpt, validation  # noqa: E402
-from conversion.mapping import MappingError  # noqa: E402
-from conversion.native import keep_source_scales  # noqa: E402
-from conversion.safetensors_io import CheckpointError, remove_stale_staging, staging_prefix, write_failure  # noqa: E402
-from modelzoo import runtime  # noqa: E402
-from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
-from modelzoo.provider import TOKENIZER_FILES  # noqa: E402
+from conversion.errors import CheckpointError, MappingError  # noqa: E402
+from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
+from modelzoo.processes import RankFailed, interrupt_on_sigterm  # noqa: E402
 from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
 USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
+# the --dtype choices, by their names in torch
+DTYPES = ("bfloat16", "float32")
 
 
 class ParityFailed(Exception):
@@ -85,9 +84,16 @@ def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
 
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
                  options: dict, allow_non_finite: bool) -> int:
+    import torch
+
+    from conversion import engine, megatron_ckpt, validation
+    from conversion.native import keep_source_scales
+    from modelzoo import runtime
+    from modelzoo.provider import TOKENIZER_FILES
+
     with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
           validation.non_finite_allowed(allow_non_finite)):
-        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], **options)
+        provider = build_provider(hf_dir, params_dtype=getattr(torch, dtype_name), **options)
         config = Path(hf_dir) / "config.json"
         retyped_config = _config_with_dtype(config, dtype_name)
         reader = provider.checkpoint_reader(Path(hf_dir), naming)
@@ -118,6 +124,8 @@ def cmd_import(args) -> int:
     options = _provider_options(args)
     provider = build_provider(args.hf_dir, **options)  # model type and layout checked before any process starts
     provider.check_parallel_layout(args.tp, args.ep)
+    from modelzoo import runtime  # after the checks: a refused input does not wait for torch
+
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
     local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
@@ -131,10 +139,16 @@ def cmd_import(args) -> int:
 
 def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int,
                  options: dict) -> int:
+    import torch
+
+    from conversion import megatron_ckpt
+    from modelzoo import runtime
+
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], **metadata.get("model_options", {}))
+        provider = build_provider(hf_side, params_dtype=getattr(torch, metadata["dtype"]),
+                                  **metadata.get("model_options", {}))
         # streamed: the model is never built, its tensors are read a bounded group at a time
         weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)
         return provider.save_checkpoint(weights, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
@@ -143,6 +157,9 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
 def cmd_export(args) -> int:
     out = Path(args.hf_dir)
     _refuse_existing(out)
+    from conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
+    from modelzoo import runtime
+
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
     if metadata.get("dtype") not in DTYPES or not isinstance(metadata.get("architecture"), str):
         raise CheckpointError(f"{Path(args.megatron_dir) / megatron_ckpt.METADATA_FILE} must name the architecture "
@@ -223,10 +240,14 @@ def cmd_logprobs(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
-    dtype = DTYPES[args.dtype]
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
                          "at a time: drop --pack or use --backend megatron")
+    import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
+
+    from modelzoo.parity import hf_outputs, megatron_outputs
+
+    dtype = getattr(torch, args.dtype)
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
                                     options=_provider_options(args), packed=sequences,
@@ -255,7 +276,11 @@ def cmd_logprobs(args) -> int:
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep)
-    dtype = DTYPES[args.dtype]
+    import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
+
+    from modelzoo.parity import hf_outputs, megatron_outputs
+
+    dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
     # the packed case: sequences of several lengths in one THD row, each against its own HF run
@@ -392,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
     # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, runtime.interrupt_on_sigterm) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm) if in_main_thread else None
     try:
         check_arguments(args)
         return args.func(args)
@@ -404,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"modelzoo: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
-    except runtime.RankFailed as error:
+    except RankFailed as error:
         if error.error_type in {kind.__name__ for kind in USER_ERRORS}:
             print(f"modelzoo: error: {error.message}", file=sys.stderr)
             return 2

@@ -18,8 +18,6 @@ from modelzoo import runtime
 from modelzoo.registry import build_provider
 from modelzoo.sequences import pack_sequences
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(t[i+1] | t[:i+1]) from full-vocabulary logits [batch, seq, vocab] -> [batch, seq - 1]."""

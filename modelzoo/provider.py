@@ -15,7 +15,6 @@ mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.gpt_c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +121,8 @@ class ModelProvider:
 
     # --- generic ------------------------------------------------------------------------------
     def _check_overrides(self) -> None:
+        if not self.config_overrides:  # nothing to check: a provider that is only read does not import Megatron-Core
+            return
         from megatron.core.transformer import TransformerConfig
 
         unknown = sorted(set(self.config_overrides) - {field.name for field in dataclasses.fields(TransformerConfig)})
@@ -312,14 +313,3 @@ def _parallel_sizes() -> dict[str, int]:
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
-
-
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
-

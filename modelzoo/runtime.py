@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from modelzoo import cpu_compat
+from modelzoo.processes import RankFailed, interrupt_on_sigterm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +119,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class RankFailed(RuntimeError):
-    """An exception on one rank of `spawn`; `error_type` and `message` are the original's."""
-
-    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str):
-        super().__init__(f"rank {rank} failed with {error_type}: {message}\n{remote_traceback}")
-        self.rank, self.error_type, self.message, self.remote_traceback = rank, error_type, message, remote_traceback
-
-
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """`fn(rank, *args)` on `world_size` ranks: in this process when that is one, else via `spawn`."""
     if world_size == 1:
@@ -190,12 +183,6 @@ def _die_with_parent(parent: int) -> None:
                 time.sleep(0.5)
             os._exit(1)
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def interrupt_on_sigterm(signum, frame):
-    """A SIGTERM handler that unwinds like Ctrl-C (`KeyboardInterrupt("terminated")`): what a process
-    staged is removed on the way out."""
-    raise KeyboardInterrupt("terminated")
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:
