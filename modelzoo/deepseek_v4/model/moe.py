@@ -184,10 +184,10 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"DeepSeek-V4: expert parallel size {ep} must divide n_routed_experts "
                              f"({args.num_experts}) and expert tensor parallel size {etp} must divide "
                              f"moe_intermediate_size ({args.moe_intermediate_size})")
-        if etp not in (1, tp) and tp != 1:
-            raise ValueError(f"DeepSeek-V4: expert tensor parallel size {etp} must be 1, the tensor parallel size "
-                             f"({tp}), or any size with tensor parallel size 1: the tensor-parallel ranks hold the "
-                             f"same tokens, which expert-tensor-parallel ranks outside their group would count twice")
+        if tp > 1 and etp != tp:
+            raise ValueError(f"DeepSeek-V4: expert tensor parallel size {etp} must equal the tensor parallel size "
+                             f"({tp}) when that is above 1 (any size with tensor parallel size 1): the tensor-parallel "
+                             f"ranks hold the same tokens, which expert ranks outside their group would count twice")
         if config.moe_token_dispatcher_type not in DISPATCHERS:
             raise ValueError(f"DeepSeek-V4: moe_token_dispatcher_type {config.moe_token_dispatcher_type!r} is not "
                              f"one of {DISPATCHERS}")
