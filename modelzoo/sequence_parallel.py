@@ -63,21 +63,23 @@ def whole_sequence_config(config):
 
 
 def gather_sequence(x: Tensor, dim: int) -> Tensor:
-    """This rank's tokens -> the whole sequence along `dim`, all-gathered over the TP group.
+    """This rank's tokens -> the whole sequence along `dim`, all-gathered over the TP group (contiguous).
 
     The backward keeps this rank's slice of the gradient, without a sum: what follows is tensor-parallel
     math whose input gradient is already whole on every rank (Megatron's
     `gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)`)."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    return gather_from_sequence_parallel_region(x.transpose(0, dim), tensor_parallel_output_grad=False).transpose(0, dim)
+    gathered = gather_from_sequence_parallel_region(x.transpose(0, dim), tensor_parallel_output_grad=False)
+    return gathered.transpose(0, dim).contiguous()  # no copy for dim 0, or a batch of one
 
 
 def split_sequence(x: Tensor, dim: int) -> Tensor:
-    """The whole sequence along `dim` (the same on every TP rank) -> this rank's tokens; the backward all-gathers."""
+    """The whole sequence along `dim` (the same on every TP rank) -> this rank's tokens (contiguous); the backward
+    all-gathers."""
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-    return scatter_to_sequence_parallel_region(x.transpose(0, dim)).transpose(0, dim)
+    return scatter_to_sequence_parallel_region(x.transpose(0, dim)).transpose(0, dim).contiguous()
 
 
 def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
