@@ -141,13 +141,9 @@ class ModelProvider:
     def transformer_config(self):
         from megatron.core.transformer import TransformerConfig
 
-        from modelzoo import sequence_parallel
-
         fields = self.transformer_config_kwargs(**_parallel_sizes())
         self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"])
-        config = TransformerConfig(**fields)
-        sequence_parallel.check_config(self.name, config)
-        return config
+        return TransformerConfig(**fields)
 
     def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
         """The TransformerConfig fields: generic ones, `parallel_sizes`, the architecture's, then the overrides."""

@@ -25,12 +25,6 @@ def enabled(config) -> bool:
     return bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1
 
 
-def check_config(model_name: str, config) -> None:
-    if config.sequence_parallel and config.tensor_model_parallel_size < 2:
-        raise ValueError(f"{model_name}: sequence_parallel splits the sequence over the tensor-parallel ranks and "
-                         f"needs tensor_model_parallel_size >= 2, got {config.tensor_model_parallel_size}")
-
-
 def check_sequence_length(model_name: str, seq_len: int, config) -> None:
     """Refuse a sequence the TP ranks cannot split evenly (one sentence)."""
     tp = config.tensor_model_parallel_size

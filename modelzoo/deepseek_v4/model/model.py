@@ -108,7 +108,6 @@ class DeepseekV4Model(MegatronModule):
         from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP
 
         self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
-        sequence_parallel.check_config("DeepSeek-V4", config)
         self.sequence_parallel = sequence_parallel.enabled(config)
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
