@@ -19,9 +19,14 @@ Megatron's `finalize_model_grads` (what trainers call): it sums the gradients of
 - That sequence parallelism is really on: the first layer's per-token input holds S / 2 tokens on each rank, and
   before finalize_model_grads a norm weight's gradient (its rank's tokens only) is > 1e-3 relative away from HF's.
 - A sequence of odd length is refused in one sentence; so is sequence_parallel at TP 1 (by Megatron's config).
+- The CLI's `--sp` (with `--tp 2`): `parity` with 41 tokens (plain rows right-padded to 42 with a padding mask, packed
+  slots to even lengths) and `logprobs --pack` of DeepSeek-V4 against the HF backend, 1e-5; `--sp` at `--tp 1` is
+  refused in one sentence, exit 2, nothing written.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -218,3 +223,46 @@ def test_sequence_parallel_at_tp1_is_refused(architecture):
         provider = build_provider(CHECKPOINTS[architecture], sequence_parallel=True)
         with pytest.raises(ValueError, match="Cannot use sequence parallelism without tensor parallelism"):
             provider.provide()
+
+
+# --- the CLI: `--sp` beside `--tp` -----------------------------------------------------------------------------------
+def test_cli_parity_with_sp_pads_rows_the_ranks_cannot_split(capsys):
+    from conversion.cli import main
+
+    # 41 tokens: plain rows are right-padded to 42 with a padding mask, the packed slots to even lengths
+    assert main(["parity", str(CHECKPOINTS["loopcoder"]), "--tp", "2", "--sp", "--seq-len", "41", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["sp"] and report["packed_lengths"] == [1, 5, 13, 41]
+    assert report["max_abs_diff_logprobs"] <= LOGPROB_TOLERANCE
+    assert report["max_abs_diff_logprobs_packed"] <= LOGPROB_TOLERANCE
+
+
+def test_cli_packed_logprobs_with_sp_equal_the_hf_backend(tmp_path):
+    from conversion.cli import main
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(packed_sequences()))
+    checkpoint = str(CHECKPOINTS["deepseek_v4"])
+    assert main(["logprobs", checkpoint, "--tokens", str(tokens), "--out", str(tmp_path / "sp.json"), "--pack",
+                 "--tp", "2", "--sp"]) == 0
+    assert main(["logprobs", checkpoint, "--tokens", str(tokens), "--out", str(tmp_path / "hf.json"),
+                 "--backend", "hf"]) == 0
+    ours = json.loads((tmp_path / "sp.json").read_text())["logprobs"]
+    reference = json.loads((tmp_path / "hf.json").read_text())["logprobs"]
+    assert [len(sequence) for sequence in ours] == [length - 1 for length in LENGTHS]
+    for mine, theirs in zip(ours, reference):
+        assert max(abs(a - b) for a, b in zip(mine, theirs)) <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("command", ["parity", "logprobs"])
+def test_cli_sp_without_two_tensor_parallel_ranks_is_refused(tmp_path, capsys, command):
+    from conversion.cli import main
+
+    extra = ["--tokens", str(tmp_path / "tokens.json"), "--out", str(tmp_path / "out.json")]
+    if command == "parity":
+        extra = []
+    assert main([command, str(CHECKPOINTS["llama"]), "--sp", *extra]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == ("modelzoo: error: --sp splits each sequence over the tensor-parallel ranks and needs --tp 2 or "
+                     "more, got --tp 1")
+    assert not (tmp_path / "out.json").exists()

@@ -245,7 +245,7 @@ class DeepseekV4Model(MegatronModule):
         if input_ids is None and any(kind == HASH_MOE for kind in self.args.mlp_layer_types):
             raise ValueError("DeepSeek-V4: hash-routed MoE layers route by token id: pass input_ids with decoder_input")
         position_ids = self.default_position_ids(input_ids) if layout.plain else layout.rope_positions
-        if decoder_input is not None:  # [s, b, hidden], Megatron's layout (this rank's s / tp under sequence parallelism)
+        if decoder_input is not None:  # [s, b, hidden], Megatron's layout (this rank's s / tp under sequence parallel)
             embeddings = decoder_input.transpose(0, 1)
             streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
