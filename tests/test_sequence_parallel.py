@@ -18,7 +18,8 @@ Megatron's `finalize_model_grads` (what trainers call): it sums the gradients of
   (tests/deepseek_v4/test_parallel.py).
 - That sequence parallelism is really on: the first layer's per-token input holds S / 2 tokens on each rank, and
   before finalize_model_grads a norm weight's gradient (its rank's tokens only) is > 1e-3 relative away from HF's.
-- A sequence of odd length is refused in one sentence; so is sequence_parallel at TP 1 (by Megatron's config).
+- A sequence of odd length is refused in one sentence; so is sequence_parallel at TP 1 (by Megatron's config), and
+  LoRA on a sequence-parallel model.
 - The CLI's `--sp` (with `--tp 2`): `parity` with 41 tokens (plain rows right-padded to 42 with a padding mask, packed
   slots to even lengths) and `logprobs --pack` of DeepSeek-V4 against the HF backend, 1e-5; `--sp` at `--tp 1` is
   refused in one sentence, exit 2, nothing written.
@@ -113,7 +114,18 @@ def _architecture(architecture: str) -> dict:
         odd_length = None
     except ValueError as error:
         odd_length = str(error)
-    return dict(plain=plain, packed=packed, packed_tokens=batch.input_ids.shape[1], odd_length=odd_length)
+    return dict(plain=plain, packed=packed, packed_tokens=batch.input_ids.shape[1], odd_length=odd_length,
+                lora=_lora_refusal(provider, model))
+
+
+def _lora_refusal(provider, model) -> str | None:
+    from modelzoo.lora import LoRAConfig, apply_lora
+
+    try:
+        apply_lora(model, provider, LoRAConfig(targets=("all-linear",)))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _rank(rank: int) -> dict:
@@ -215,6 +227,13 @@ def test_a_sequence_the_ranks_cannot_split_is_refused(case):
         assert result["odd_length"] is not None
         assert f"with sequence parallelism the sequence length ({SEQ - 1}) must be a multiple of the " \
                f"tensor-parallel size ({TP})" in result["odd_length"]
+
+
+def test_lora_on_a_sequence_parallel_model_is_refused(case):
+    _, ranks, _ = case
+    for result in ranks:
+        assert result["lora"] == ("LoRA: sequence parallelism is not supported; build the model with "
+                                  "sequence_parallel=False")
 
 
 @pytest.mark.parametrize("architecture", list(CHECKPOINTS))
