@@ -210,7 +210,10 @@ def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def _provider_options(args) -> dict:
-    return {"require_mtp": True} if args.require_mtp else {}
+    options = {"require_mtp": True} if args.require_mtp else {}
+    if getattr(args, "sp", False):
+        options["sequence_parallel"] = True
+    return options
 
 
 def _write_new_file(path: Path, text: str) -> None:
@@ -296,7 +299,8 @@ def cmd_parity(args) -> int:
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "attention": args.attention,
+        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "dtype": args.dtype,
+        "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
@@ -374,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("hf_dir")
         sub.add_argument("--attention", choices=("exact", "fast"), default="exact")
         common(sub)
+        sub.add_argument("--sp", action="store_true",
+                         help="sequence parallel: split each sequence over the --tp ranks (rows padded to a multiple)")
         require_mtp(sub)
         sub.set_defaults(func=func)
     for name in ("import", "logprobs", "parity"):
@@ -407,6 +413,9 @@ def check_arguments(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < least:
             raise ValueError(f"--{name.replace('_', '-')} {value}: it must be at least {least}")
+    if getattr(args, "sp", False) and args.tp < 2:
+        raise ValueError(f"--sp splits each sequence over the tensor-parallel ranks and needs --tp 2 or more, "
+                         f"got --tp {args.tp}")
     tolerance = getattr(args, "tolerance", None)
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"--tolerance {tolerance}: it must be a finite number >= 0")

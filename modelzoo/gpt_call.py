@@ -60,13 +60,17 @@ def language_model_output(logits: Tensor, labels: Tensor | None, vocab_size: int
 
 
 def input_layout(model_name: str, input_ids: Tensor | None, decoder_input: Tensor | None, position_ids, attention_mask,
-                 packed_seq_params, max_positions: int) -> TokenLayout:
-    """The batch's layout, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b] shape."""
+                 packed_seq_params, max_positions: int, config) -> TokenLayout:
+    """The layout of the whole batch, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b]
+    shape (under sequence parallelism this rank's s / tp tokens, as Megatron hands them between stages)."""
+    from modelzoo import sequence_parallel
     from modelzoo.sequences import token_layout
 
     if input_ids is None:
         if decoder_input is None:
             raise ValueError(f"{model_name}: input_ids or decoder_input is needed")
-        input_ids = torch.empty(decoder_input.shape[1], decoder_input.shape[0], dtype=torch.long,
-                                device=decoder_input.device)
-    return token_layout(input_ids, position_ids, attention_mask, packed_seq_params, max_positions)
+        seq = decoder_input.shape[0] * (config.tensor_model_parallel_size if sequence_parallel.enabled(config) else 1)
+        input_ids = torch.empty(decoder_input.shape[1], seq, dtype=torch.long, device=decoder_input.device)
+    layout = token_layout(input_ids, position_ids, attention_mask, packed_seq_params, max_positions)
+    sequence_parallel.check_sequence_length(model_name, layout.shape[1], config)
+    return layout

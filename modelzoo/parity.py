@@ -86,6 +86,18 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
     return outputs
 
 
+def right_padded(input_ids: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`input_ids` [b, s] right-padded to a multiple of `multiple` tokens (what sequence parallelism splits), and
+    GPTModel's padding mask of it ([b, 1, 1, s'], True = padding), None when no padding is needed."""
+    seq = input_ids.shape[1]
+    padding = -seq % multiple
+    if not padding:
+        return input_ids, None
+    mask = torch.zeros(input_ids.shape[0], 1, 1, seq + padding, dtype=torch.bool, device=input_ids.device)
+    mask[..., seq:] = True
+    return torch.nn.functional.pad(input_ids, (0, padding)), mask
+
+
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
                    attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None,
                    allow_non_finite: bool = False):
@@ -96,15 +108,20 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
+        # sequence parallelism splits each row over the TP ranks: rows and packed slots padded to a multiple of tp
+        multiple = tp if options.get("sequence_parallel") else 1
         outputs = []
         with torch.no_grad():
             for input_ids in batches:
-                ids = input_ids.to(runtime.device())
-                logprobs = provider.token_logprobs(model, ids).float().cpu()
-                logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
+                seq = input_ids.shape[1]
+                ids, mask = right_padded(input_ids.to(runtime.device()), multiple)
+                logprobs = provider.token_logprobs(model, ids, attention_mask=mask)[:, :seq - 1].float().cpu()
+                logits = None
+                if with_logits:
+                    logits = provider.gathered_logits(model, ids, attention_mask=mask)[:, :seq].float().cpu()
                 outputs.append((logprobs, logits))
             if packed is not None:
-                batch = pack_sequences(packed, device=runtime.device())
+                batch = pack_sequences(packed, divisor=multiple, device=runtime.device())
                 logprobs = provider.token_logprobs(model, batch.input_ids, packed_seq_params=batch.packed_seq_params)
                 outputs.append([sequence.float().cpu() for sequence in logprobs])
         return outputs

@@ -34,9 +34,6 @@ class LoopCoderProvider(ModelProvider):
     def check_supported(self) -> None:
         check_llama_supported(self.hf_config, "iquestloopcoder config")
         overrides = self.config_overrides
-        if overrides.get("sequence_parallel"):
-            raise ValueError("LoopCoder: sequence_parallel is not supported (the local layers use torch RMSNorm, "
-                             "which Megatron-Core refuses under sequence parallelism)")
         if overrides.get("pipeline_model_parallel_size", 1) > 1:
             raise ValueError(PIPELINE_REFUSAL)
         if overrides.get("recompute_granularity") == "full" and overrides.get("recompute_method") == "block":
