@@ -44,6 +44,7 @@ class LlamaProvider(ModelProvider):
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
     copies_kv_heads = True
+    supports_context_parallel = True
 
     @classmethod
     def hf_config_class(cls):
