@@ -9,9 +9,11 @@ forward, each packed sequence run alone. Each CP rank gets its share of the batc
   each rank's per-token loss covers its own tokens only, and gathered back it is minus the HF log-probs
   (LOGPROB_TOLERANCE = 1e-5: fp32, the same math in another order moves them by ~1e-6; a token that reads a
   wrong key moves by > 1e-2);
-- gradients: the local loss's backward on each rank, summed over the CP group (what Megatron's DDP does over the
-  data-parallel group with context parallelism), equal the HF model's gradients of the whole loss
-  (GRADIENT_TOLERANCE = 1e-4 relative to the largest entry of each tensor, max-norm);
+- gradients: the local loss's backward on each rank, summed over the CP group, equal the HF model's gradients of
+  the whole loss (GRADIENT_TOLERANCE = 1e-4 relative to the largest entry of each tensor, max-norm); and through
+  Megatron's schedule and DDP (Megatron-Bridge's token-sum loss, `calculate_per_token_loss`), which reduce over the
+  data-parallel group with context parallelism, DDP's grad buffer holds the HF gradient of the mean over all loss
+  tokens;
 - `provider.token_logprobs` of the whole batch on every rank (rows of a length that is no multiple of 2 x CP
   included) equals the HF log-probs.
 Batches: a packed row of sequences of lengths 1, 17, 40, 5 and 70 (1: no log-prob at all; 17, 5, 70: no multiple
@@ -116,6 +118,33 @@ def _trainer_step(provider, model, input_ids, labels, loss_mask, packed_seq_para
     return whole, _summed_grads_by_name(provider, model), tuple(loss.shape)
 
 
+def _schedule_grads(provider, input_ids, labels, loss_mask, packed_seq_params) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's step under context parallelism: this rank's share through Megatron's schedule and DDP,
+    the token-sum loss with its count (`calculate_per_token_loss`); DDP's grad buffer by HF name."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = provider.provide()
+    provider.load_hf_weights(model, progress=False)
+    model.config.calculate_per_token_loss = True  # read by DDP's constructor
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.no_sync_func, model.config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    local = [context_parallel.split_for_rank(t, packed_seq_params) for t in (input_ids, labels, loss_mask)]
+
+    def forward_step(data_iterator, model):
+        ids, labels, mask = next(data_iterator)
+        loss = model(ids, None, None, labels=labels, packed_seq_params=packed_seq_params)
+        return loss, lambda output: ((output * mask).sum(), mask.sum().int(), {})
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([local]), model=ddp,
+                                num_microbatches=1, seq_length=local[0].shape[1], micro_batch_size=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            grad = getattr(param, "main_grad", None)
+            param.copy_(grad if grad is not None else torch.zeros_like(param))
+    return {name: tensor.clone() for name, tensor in provider.export_hf_weights(model)}
+
+
 def _megatron_split_agrees(input_ids: torch.Tensor) -> bool:
     """Megatron's own split of rows for this CP rank equals ours (tokens, labels, loss mask, position ids)."""
     from megatron.core import parallel_state
@@ -149,8 +178,11 @@ def _rank(rank: int, layouts):
                     logprobs = provider.token_logprobs(model, batch.input_ids,
                                                        packed_seq_params=batch.packed_seq_params)
                     cut_logprobs = provider.token_logprobs(model, rows[:, :ROWS[1] - 3])
+                schedule_grads = _schedule_grads(provider, batch.input_ids, labels, loss_mask,
+                                                 batch.packed_seq_params)
                 result = dict(packed_loss=[-t for t in batch.split(packed_loss, shift=1)],
                               row_loss=-row_loss[:, :-1], packed_grads=packed_grads, row_grads=row_grads,
+                              schedule_grads=schedule_grads, loss_tokens=int(loss_mask.sum()),
                               logprobs=logprobs, cut=cut_logprobs, local_shape=local_shape,
                               row_count=batch.input_ids.shape[1], megatron_split=_megatron_split_agrees(rows))
                 if (tp, cp) == (1, 2):  # the fast attention (SDPA with the layout's mask on the CPU)
@@ -210,8 +242,12 @@ def test_token_logprobs_of_the_whole_batch_equal_the_hf_logprobs(ranks, referenc
 
 def test_gradients_summed_over_the_group_equal_the_hf_gradients(ranks, reference):
     for where, name, _, result in _each(ranks):
-        for kind in ("packed_grads", "row_grads"):
-            ours, theirs = result[kind], reference[name][kind]
+        expected_grads = dict(reference[name])
+        # through the schedule and DDP: the mean over every rank's loss tokens
+        expected_grads["schedule_grads"] = {tensor_name: grad / result["loss_tokens"]
+                                            for tensor_name, grad in reference[name]["packed_grads"].items()}
+        for kind in ("packed_grads", "row_grads", "schedule_grads"):
+            ours, theirs = result[kind], expected_grads[kind]
             assert ours.keys() == theirs.keys(), where
             for tensor_name, expected in theirs.items():
                 scale = expected.abs().max().item()
