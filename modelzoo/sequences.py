@@ -168,7 +168,14 @@ def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attentio
         if attention_mask is not None:
             raise BatchLayoutError("attention_mask and packed_seq_params together: a packed (THD) row is described by "
                                    "its cu_seqlens alone; pass attention_mask=None")
-        layout = _packed_layout(packed_seq_params, batch, whole_seq, device)
+        try:
+            layout = _packed_layout(packed_seq_params, batch, whole_seq, device)
+        except BatchLayoutError as error:
+            if context_parallel is None:
+                raise
+            raise BatchLayoutError(f"{error} (this rank's {seq} tokens x context parallel size {context_parallel.size}:"
+                                   f" input_ids must be this rank's share, modelzoo.context_parallel.split_for_rank)"
+                                   ) from None
     elif attention_mask is not None:
         if context_parallel is not None:
             raise BatchLayoutError(f"attention_mask with context parallel size {context_parallel.size}: split rows are "

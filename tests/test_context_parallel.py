@@ -19,7 +19,7 @@ forward, each packed sequence run alone. Each CP rank gets its share of the batc
 Batches: a packed row of sequences of lengths 1, 17, 40, 5 and 70 (1: no log-prob at all; 17, 5, 70: no multiple
 of 2 x CP; 70 is longer than LoopCoder's window of 8, whose halo then lies in other ranks' chunks), each slot
 padded to a multiple of 2 x CP, and plain rows [2, 32]. Layouts: CP 2 (also with the fast attention), CP 4 and
-TP 2 x CP 2; one spawn per world size. Measured: log-probs within 9.6e-7, gradients within 1.4e-6.
+TP 2 x CP 2; one spawn per world size; at CP 2 also with full recompute (gradients). Measured: log-probs within 9.6e-7, gradients within 1.4e-6.
 The CLI's `--cp` (`logprobs` with and without `--pack` against the HF backend, `parity` at TP 2 x CP 2) and its
 refusals are checked at the end.
 """
@@ -185,7 +185,15 @@ def _rank(rank: int, layouts):
                               schedule_grads=schedule_grads, loss_tokens=int(loss_mask.sum()),
                               logprobs=logprobs, cut=cut_logprobs, local_shape=local_shape,
                               row_count=batch.input_ids.shape[1], megatron_split=_megatron_split_agrees(rows))
-                if (tp, cp) == (1, 2):  # the fast attention (SDPA with the layout's mask on the CPU)
+                if (tp, cp) == (1, 2):
+                    # full recompute: the gathers of keys and values run again in the backward
+                    recomputing = build_provider(TINY / folder, recompute_granularity="full",
+                                                 recompute_method="uniform", recompute_num_layers=1)
+                    recomputing_model = recomputing.provide()
+                    recomputing.load_hf_weights(recomputing_model, progress=False)
+                    result["recompute_grads"] = _trainer_step(recomputing, recomputing_model, batch.input_ids, labels,
+                                                              loss_mask, batch.packed_seq_params)[1]
+                    # the fast attention (SDPA with the layout's mask on the CPU)
                     fast = build_provider(TINY / folder, attention="fast")
                     fast_model = fast.provide()
                     fast.load_hf_weights(fast_model, progress=False)
@@ -246,7 +254,8 @@ def test_gradients_summed_over_the_group_equal_the_hf_gradients(ranks, reference
         # through the schedule and DDP: the mean over every rank's loss tokens
         expected_grads["schedule_grads"] = {tensor_name: grad / result["loss_tokens"]
                                             for tensor_name, grad in reference[name]["packed_grads"].items()}
-        for kind in ("packed_grads", "row_grads", "schedule_grads"):
+        expected_grads["recompute_grads"] = reference[name]["packed_grads"]
+        for kind in [kind for kind in expected_grads if kind.endswith("grads") and kind in result]:
             ours, theirs = result[kind], expected_grads[kind]
             assert ours.keys() == theirs.keys(), where
             for tensor_name, expected in theirs.items():
@@ -297,6 +306,11 @@ def test_batches_that_cannot_be_split_are_refused():
         token_layout(torch.zeros(1, 3, dtype=torch.long), context_parallel=cp2)
     with pytest.raises(BatchLayoutError, match=r"but packed sequence 1's slot has 6 tokens"):
         token_layout(torch.zeros(1, 5, dtype=torch.long), packed_seq_params=thd([0, 3, 9], [0, 4, 10]),
+                     context_parallel=cp2)
+    with pytest.raises(BatchLayoutError, match=r"cu_seqlens_q_padded ends at 8, but the packed row has 16 tokens \(this "
+                                               r"rank's 8 tokens x context parallel size 2: input_ids must be this "
+                                               r"rank's share"):
+        token_layout(torch.zeros(1, 8, dtype=torch.long), packed_seq_params=thd([0, 3, 5], [0, 4, 8]),
                      context_parallel=cp2)
     mask = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
     with pytest.raises(BatchLayoutError, match="attention_mask with context parallel size 2"):
