@@ -1,6 +1,7 @@
 """The `modelzoo` command: import, export, logprobs, parity, list.
 
-`--tp N --ep M` runs N x M ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
+`--tp N --ep M` runs N x M ranks (`logprobs` and `parity` also take `--cp C`: N x M x C ranks): gloo processes on
+a CPU machine (GPUs with nccl on a GPU machine).
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
 
 torch, Megatron-Core and transformers' modeling code are imported by the commands that use them, after
@@ -241,7 +242,7 @@ def cmd_logprobs(args) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
@@ -254,7 +255,7 @@ def cmd_logprobs(args) -> int:
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
                                     options=_provider_options(args), packed=sequences,
-                                    allow_non_finite=args.allow_non_finite)
+                                    allow_non_finite=args.allow_non_finite, cp=args.cp)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
@@ -263,7 +264,7 @@ def cmd_logprobs(args) -> int:
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
                                        ep=args.ep, options=_provider_options(args),
-                                       allow_non_finite=args.allow_non_finite)
+                                       allow_non_finite=args.allow_non_finite, cp=args.cp)
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
     for number, values in enumerate(results):
         bad = next((position for position, value in enumerate(values) if not math.isfinite(value)), None)
@@ -278,7 +279,7 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp)
     import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
 
     from modelzoo.parity import hf_outputs, megatron_outputs
@@ -291,7 +292,7 @@ def cmd_parity(args) -> int:
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
         args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed,
-        allow_non_finite=args.allow_non_finite)
+        allow_non_finite=args.allow_non_finite, cp=args.cp)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
                                                    allow_non_finite=args.allow_non_finite)
@@ -299,7 +300,7 @@ def cmd_parity(args) -> int:
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "dtype": args.dtype,
+        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "cp": args.cp, "dtype": args.dtype,
         "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("hf_dir")
         sub.add_argument("--attention", choices=("exact", "fast"), default="exact")
+        sub.add_argument("--cp", type=int, default=1,
+                         help="context-parallel size: each sequence cut into 2 x cp chunks over cp ranks")
         common(sub)
         sub.add_argument("--sp", action="store_true",
                          help="sequence parallel: split each sequence over the --tp ranks (rows padded to a multiple)")
@@ -403,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the least each count among the arguments can be (a log-prob needs two tokens)
-MINIMUMS = {"tp": 1, "ep": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+MINIMUMS = {"tp": 1, "ep": 1, "cp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
 # the argument naming what each command writes
 OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
 

@@ -7,6 +7,7 @@ oracle class (transformers' own where it exists), loaded without remote code.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -98,10 +99,10 @@ def right_padded(input_ids: torch.Tensor, multiple: int) -> tuple[torch.Tensor, 
     return torch.nn.functional.pad(input_ids, (0, padding)), mask
 
 
-def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
+def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, cp: int, dtype: torch.dtype,
                    attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None,
                    allow_non_finite: bool = False):
-    with runtime.parallel(tp=tp, ep=ep), validation.non_finite_allowed(allow_non_finite):
+    with runtime.parallel(tp=tp, ep=ep, cp=cp), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
                                   **options)
         check_before_building(provider)
@@ -121,7 +122,8 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
                     logits = provider.gathered_logits(model, ids, attention_mask=mask)[:, :seq].float().cpu()
                 outputs.append((logprobs, logits))
             if packed is not None:
-                batch = pack_sequences(packed, divisor=multiple, device=runtime.device())
+                # sequence parallelism splits the row over tp ranks, context parallelism each sequence into 2 x cp chunks
+                batch = pack_sequences(packed, divisor=math.lcm(multiple, 2 * cp), device=runtime.device())
                 logprobs = provider.token_logprobs(model, batch.input_ids, packed_seq_params=batch.packed_seq_params)
                 outputs.append([sequence.float().cpu() for sequence in logprobs])
         return outputs
@@ -129,13 +131,14 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
                      attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None,
-                     packed: list[list[int]] | None = None, allow_non_finite: bool = False):
-    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep ranks, as rank 0 sees
+                     packed: list[list[int]] | None = None, allow_non_finite: bool = False, cp: int = 1):
+    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep x cp ranks, as rank 0 sees
     them; the model is built and loaded once for all batches. `options`: more keywords of `build_provider`. With
     `packed` (token-id lists), one more entry: each sequence's log-probs from one forward of them packed into a row.
     `allow_non_finite`: load NaN or infinite weights rather than refuse them.
 
-    Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
+    Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part; under CP each
+    runs its share of every row and the results are gathered back).
     """
-    return runtime.run(_megatron_rank, tp * ep, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
+    return runtime.run(_megatron_rank, tp * ep * cp, str(hf_dir), batches, tp, ep, cp, dtype, attention, with_logits,
                        options or {}, packed, allow_non_finite)[0]

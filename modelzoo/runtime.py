@@ -40,18 +40,25 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
 
     def check(self, world_size: int) -> None:
-        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp)):
             if size < 1:
                 raise ValueError(f"parallel layout: {name}={size} must be >= 1")
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"parallel layout: world size {world_size} is not divisible by tp*pp = {self.model_parallel_size}"
+            )
+        # context parallelism splits the data-parallel replicas of each (tensor x pipeline) shard
+        if world_size % (self.model_parallel_size * self.cp):
+            raise ValueError(
+                f"parallel layout: world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.model_parallel_size * self.cp}"
             )
         # expert parallelism splits the data-parallel replicas of each (tensor x pipeline) shard
         if world_size % (self.model_parallel_size * self.ep):
@@ -69,7 +76,7 @@ def device() -> torch.device:
 
 
 @contextlib.contextmanager
-def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[ParallelLayout]:
+def parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> Iterator[ParallelLayout]:
     """Bring up torch.distributed (if needed) and Megatron's parallel state; tear both down on exit.
 
     A process group that already exists (torchrun, a trainer) is used and left alone on exit.
@@ -78,7 +85,7 @@ def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterato
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     cpu_compat.apply()
-    layout = ParallelLayout(tp, pp, ep)
+    layout = ParallelLayout(tp, pp, ep, cp)
     owns_process_group = not dist.is_initialized()
     if owns_process_group:
         _init_single_process_group()
@@ -90,6 +97,7 @@ def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterato
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
+            context_parallel_size=cp,
         )
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)

@@ -84,8 +84,8 @@ class DeepseekV4Provider(ModelProvider):
     def args(self) -> v4_config.DeepseekV4Args:
         return v4_config.DeepseekV4Args.from_hf(self.hf_config)
 
-    def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
-        super().check_parallel_layout(tp, ep)
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1) -> None:
+        super().check_parallel_layout(tp, ep, cp)
         v4_config.check_parallel(self.hf_config, tp, ep)
 
     def transformer_config_fields(self) -> dict:

@@ -43,6 +43,7 @@ class LlamaProvider(ModelProvider):
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
     copies_kv_heads = True
+    supports_context_parallel = True
 
     @classmethod
     def hf_config_class(cls):

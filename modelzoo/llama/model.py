@@ -55,7 +55,7 @@ class LlamaGPTModel(GPTModel):
                                        packed_seq_params, self.max_sequence_length, self.config)
         if decoder_input is None:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=None)            # [s, b, hidden]
-        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb, layout)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
                               packed_seq_params=layout)
         if not self.post_process:

@@ -215,7 +215,7 @@ class LoopCoderModel(MegatronModule):
         layout = gpt_call.input_layout("LoopCoder", input_ids, decoder_input, position_ids, attention_mask,
                                        packed_seq_params, self.max_sequence_length, self.config)
         hidden = decoder_input if decoder_input is not None else self.embedding(input_ids, None)  # [seq, batch, hidden]
-        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb, layout)
         hidden = self.decoder(hidden, rotary, self.loop_num, layout)
         output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=output_weight)

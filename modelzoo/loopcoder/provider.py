@@ -17,6 +17,7 @@ class LoopCoderProvider(ModelProvider):
     hf_model_types = ("iquestloopcoder",)
     hf_architectures = ("IQuestLoopCoderForCausalLM",)
     copies_kv_heads = True
+    supports_context_parallel = True
 
     def __init__(self, hf_config, hf_dir=None, train_gate: bool = False, **overrides):
         self.train_gate = train_gate

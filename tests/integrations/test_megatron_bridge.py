@@ -194,6 +194,6 @@ def test_what_the_bridge_refuses_is_named():
         with pytest.raises(ValueError, match="modelzoo models have no pipeline stages: expected one model chunk, got 2"):
             list(bridge.export_hf_weights([model, model]))
         provider.tensor_model_parallel_size = 2
-        with pytest.raises(ValueError, match=r"tensor/expert parallel sizes \(2, 1\) but Megatron's parallel state "
-                                             r"has \(1, 1\): call provider.initialize_model_parallel\(\)"):
+        with pytest.raises(ValueError, match=r"tensor/expert/context parallel sizes \(2, 1, 1\) but Megatron's "
+                                             r"parallel state has \(1, 1, 1\): call provider.initialize_model_parallel\(\)"):
             provider.provide()
