@@ -160,7 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
@@ -229,8 +230,9 @@ def main() -> None:
             ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
-    Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}")).write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
-                                          "config": config, "results": results}, indent=2))
+    out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}"))
+    out.write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+                               "config": config, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

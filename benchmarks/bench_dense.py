@@ -36,7 +36,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def results_file(name: str) -> str:
-    """benchmarks/results/<name>_<gpu>.json, e.g. dense_h200.json: one file per benchmark, configuration and GPU."""
+    """benchmarks/results/<name>_<gpu>.json, e.g. dense_h200.json: one file per benchmark, config and GPU."""
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
     return str(RESULTS / f"{name}_{gpu}.json")
 
