@@ -1,7 +1,7 @@
 """DeepSeek-V4 training step on one GPU: our Megatron model against transformers' eager implementation.
 
     python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--paths exact,fast]
-                                           [--out results.json] [--steps 5]
+                                           [--out FILE] [--steps 5]
     python benchmarks/bench_deepseek_v4.py --profile --paths fast   # top CUDA / CPU ops of that path instead
 
 `--paths fast+graphs` times the fast path with the decoder layers replayed as CUDA graphs
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import hf_step, matmul_peak_tflops, megatron_step, time_steps  # noqa: E402
+from bench_dense import hf_step, matmul_peak_tflops, megatron_step, results_file, time_steps  # noqa: E402
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -170,7 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--out", default="bench_deepseek_v4.json")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
@@ -244,9 +245,10 @@ def main() -> None:
             ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
-    Path(args.out).write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
-                                          "recompute": args.recompute,
-                                          "config": config, "results": results}, indent=2))
+    suffix = "" if args.recompute == "none" else f"_{args.recompute}_recompute"
+    out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
+    out.write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+                               "recompute": args.recompute, "config": config, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
