@@ -11,9 +11,8 @@
 `attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
 rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores.
 `attention="fast"` is `window_sink_attention` (model/window_attention.py): each block of `window` queries
-against its window keys as batched GEMMs, with every complete HCA entry or each query's own CSA picks (never a
-[S, entries] mask), the same math on CPU and GPU; in packed and padded batches it runs each sequence against its
-own keys and entries.
+against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU; in packed
+and padded batches it runs each sequence against its own keys and entries.
 """
 
 from __future__ import annotations
@@ -160,13 +159,14 @@ class DeepseekV4Attention(nn.Module):
         out = torch.zeros_like(q)
         for number, (row, start, length) in enumerate(layout.sequences):
             tokens = slice(start, start + length)
-            keys, picks, ratio = kv[row:row + 1, tokens], None, None
+            keys, visible = kv[row:row + 1, tokens], None
             if compressed is not None:
                 first_entry, entries = spans[number]
-                keys = torch.cat([keys, kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]], dim=1)
-                picks, ratio = compressed.of_sequence(row, start, length, first_entry)
+                own = kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]
+                keys, visible = torch.cat([keys, own], dim=1), compressed.of_sequence(row, start, length, first_entry,
+                                                                                      entries)
             out[row, tokens] = window_sink_attention(q[row:row + 1, tokens], keys, self.sinks, self.scaling,
-                                                     self.sliding_window, picks, ratio)[0]
+                                                     self.sliding_window, visible)[0]
         return out
 
     def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
@@ -182,8 +182,8 @@ class DeepseekV4Attention(nn.Module):
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
 
         if self.attention == "fast" and layout.plain:
-            picks, ratio = (None, None) if compressed is None else (compressed.picks, compressed.windows.ratio)
-            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, picks, ratio)
+            visible = None if compressed is None else compressed.dense(layout)
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
         elif self.attention == "fast":
             out = self.attend_each_sequence(q, kv[:, 0], compressed, layout)
         else:
