@@ -16,7 +16,8 @@ applied by `apply()`, only when `torch.cuda.is_available()` is False, and each h
 | utils (GlobalMemoryBuffer: DotProductAttention's QK^T; the grad | buffers and small tensors on                  |
 | norm without Apex / TE), distributed.param_and_grad_buffer      | torch.cuda.current_device() / device="cuda";  |
 | (DDP's buffers), optimizer.optimizer, optimizer.clip_grads,     | waits on torch.cuda.current_stream()          |
-| pipeline_parallel.schedules                                     |                                               |
+| pipeline_parallel.schedules, pipeline_parallel.p2p_communication| (p2p: the receive buffers between pipeline    |
+|                                                                 | stages, torch.cuda.synchronize() after them)  |
 | DistributedOptimizer / Float16OptimizerWithFloat16Params        | accept only tensors whose type() is           |
 | __init__, clip_grad_by_total_norm_fp32                          | "torch.cuda.FloatTensor" (or Half / BFloat16) |
 """
@@ -149,7 +150,9 @@ def _patch_cuda_allocations() -> None:
     # allocated on torch.cuda.current_device(), and DDP waits on torch.cuda.current_stream() before
     # reducing them; the optimizers' loss scale and found-inf flag, the gradient norm (clip_grads, and
     # utils.local_multi_tensor_l2_norm, its implementation without Apex or Transformer Engine) and the
-    # no-pipelining schedule's token count are small tensors made with device="cuda". In those modules
+    # no-pipelining schedule's token count are small tensors made with device="cuda"; the pipeline schedules'
+    # point-to-point communication makes its receive buffers on torch.cuda.current_device() and synchronises
+    # CUDA after batched sends and receives. In those modules
     # torch becomes `_TorchOnCpu`.
     _give_modules_torch_on_cpu(
         "megatron.core.utils",
@@ -157,6 +160,7 @@ def _patch_cuda_allocations() -> None:
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.clip_grads",
         "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.pipeline_parallel.p2p_communication",
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
@@ -142,7 +143,8 @@ class ModelProvider:
         from megatron.core.transformer import TransformerConfig
 
         fields = self.transformer_config_kwargs(**_parallel_sizes())
-        self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"])
+        self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"],
+                                   fields["pipeline_model_parallel_size"])
         return TransformerConfig(**fields)
 
     def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
@@ -154,6 +156,7 @@ class ModelProvider:
             use_cpu_initialization=not torch.cuda.is_available(),
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            pipeline_dtype=self.params_dtype,  # of the activations sent between pipeline stages
             **parallel_sizes,
         )
         fields.update(self.transformer_config_fields())
@@ -163,9 +166,12 @@ class ModelProvider:
             fields["num_query_groups"] = tp
         return fields
 
-    def check_parallel_layout(self, tp: int, ep: int = 1) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, pp: int = 1) -> None:
         """Refuse a layout that does not split this model evenly (before any work starts)."""
         fields = self.transformer_config_fields()
+        if pp < 1 or fields["num_layers"] % pp:
+            raise ValueError(f"pipeline parallel size {pp} must divide the {fields['num_layers']} decoder layers of "
+                             f"this {self.name} model")
         heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
         if tp < 1 or heads % tp or (groups % tp and not (self.copies_kv_heads and tp % groups == 0)):
@@ -176,6 +182,19 @@ class ModelProvider:
             )
         if ep != 1 and not self.has_experts:
             raise ValueError(f"expert parallel size {ep}: this {self.name} model has no experts to split")
+
+    @staticmethod
+    def pipeline_stage() -> dict[str, bool]:
+        """GPTModel's `pre_process` (this stage embeds) and `post_process` (it holds the head) for this rank."""
+        from megatron.core import parallel_state
+
+        return dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
+
+    def pipeline_seq_length(self, seq_length: int) -> int:
+        """The `seq_length` to give Megatron's schedules for micro-batches of `seq_length` tokens: they pass
+        tensors of [seq_length, micro_batch, hidden] between stages (an architecture that sends more overrides it)."""
+        return seq_length
 
     def provide(self, config=None) -> torch.nn.Module:
         """The Megatron module for the current parallel state, on the current device.
@@ -268,7 +287,8 @@ class ModelProvider:
         """
         from modelzoo.sequences import BatchLayoutError, packed_spans
 
-        logits = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+        logits = self.forward(model, input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                              packed_seq_params=packed_seq_params)
         logprobs = next_token_logprobs(logits, input_ids, self.vocab_size)         # [b, s - 1]
         if packed_seq_params is None:
             spans = [(row, 0, input_ids.shape[1]) for row in range(input_ids.shape[0])]
@@ -290,13 +310,41 @@ class ModelProvider:
         return [logprobs[row, start:start + length - 1][scored[row, start + 1:start + length]]
                 for row, start, length in spans]
 
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
+        """`model(input_ids, **call)` (GPTModel's call) on every rank. With several pipeline stages, one micro-batch
+        through Megatron's forward-only schedule; the last stage's output is sent to every stage."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        group = engine.pipeline_group()
+        if group is None:
+            return model(input_ids, **call)
+        kept = []
+
+        def forward_step(data_iterator, module):
+            def keep(output):
+                kept.append(output)
+                return output.new_zeros(()), {}
+            return module(input_ids, **call), keep
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=self.pipeline_seq_length(input_ids.shape[1]), micro_batch_size=input_ids.shape[0],
+            forward_only=True)
+        last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+        described = [(tuple(kept[0].shape), kept[0].dtype) if parallel_state.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(described, src=last, group=group)
+        shape, dtype = described[0]
+        output = kept[0].contiguous() if kept else torch.empty(shape, dtype=dtype, device=runtime.device())
+        dist.broadcast(output, src=last, group=group)
+        return output
+
     @torch.no_grad()
     def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
         """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training)."""
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
-        local = model(input_ids, **call).contiguous()
+        local = self.forward(model, input_ids, **call).contiguous()
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
         return torch.cat(shards, dim=-1)[..., : self.vocab_size]
