@@ -1,6 +1,7 @@
 """The `modelzoo` command: import, export, logprobs, parity, list.
 
-`--tp N --ep M` runs N x M ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
+`--tp N --ep M --pp P` runs N x M x P ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
+`export` reads a checkpoint written at any of these layouts (pipeline stages included) at its own `--tp` / `--ep`.
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
 """
 
@@ -84,8 +85,8 @@ def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
 
 
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
-                 options: dict, allow_non_finite: bool) -> int:
-    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
+                 options: dict, allow_non_finite: bool, pp: int) -> int:
+    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep, pp=pp),
           validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], **options)
         config = Path(hf_dir) / "config.json"
@@ -105,6 +106,7 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
             side_files = [Path(hf_dir) / name for name in TOKENIZER_FILES if (Path(hf_dir) / name).exists()]
             side_files += [config] if retyped_config is None else []
             metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep,
+                        "written_at_pp": pp,
                         "model_options": provider.model_options()}
             megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights, write_hf_side=write_hf_side)
         finally:
@@ -117,13 +119,14 @@ def cmd_import(args) -> int:
     _refuse_existing(out)
     options = _provider_options(args)
     provider = build_provider(args.hf_dir, **options)  # model type and layout checked before any process starts
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, args.pp)
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
-    local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
-                                 naming, options, args.allow_non_finite)
+    local_elements = runtime.run(_import_rank, args.tp * args.ep * args.pp, args.hf_dir, str(out), args.tp, args.ep,
+                                 args.dtype, naming, options, args.allow_non_finite, args.pp)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
-                        ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
+                        ("tensor / expert / pipeline parallel", f"{args.tp} / {args.ep} / {args.pp}"),
+                        ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
                         ("seconds", f"{time.perf_counter() - start:.1f}")])
     return 0
@@ -221,7 +224,7 @@ def cmd_logprobs(args) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, args.pp)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     dtype = DTYPES[args.dtype]
     if args.pack and args.backend == "hf":
@@ -230,7 +233,7 @@ def cmd_logprobs(args) -> int:
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
                                     options=_provider_options(args), packed=sequences,
-                                    allow_non_finite=args.allow_non_finite)
+                                    allow_non_finite=args.allow_non_finite, pp=args.pp)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
@@ -239,7 +242,7 @@ def cmd_logprobs(args) -> int:
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
                                        ep=args.ep, options=_provider_options(args),
-                                       allow_non_finite=args.allow_non_finite)
+                                       allow_non_finite=args.allow_non_finite, pp=args.pp)
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
     for number, values in enumerate(results):
         bad = next((position for position, value in enumerate(values) if not math.isfinite(value)), None)
@@ -254,7 +257,7 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, args.pp)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
@@ -263,7 +266,7 @@ def cmd_parity(args) -> int:
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
         args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed,
-        allow_non_finite=args.allow_non_finite)
+        allow_non_finite=args.allow_non_finite, pp=args.pp)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
                                                    allow_non_finite=args.allow_non_finite)
@@ -271,7 +274,7 @@ def cmd_parity(args) -> int:
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "ep": args.ep, "dtype": args.dtype, "attention": args.attention,
+        "architecture": provider.name, "tp": args.tp, "ep": args.ep, "pp": args.pp, "dtype": args.dtype, "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
@@ -352,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
         require_mtp(sub)
         sub.set_defaults(func=func)
     for name in ("import", "logprobs", "parity"):
+        commands.choices[name].add_argument("--pp", type=int, default=1,
+                                            help="pipeline-parallel size (stages; x tp x ep ranks)")
         commands.choices[name].add_argument("--allow-non-finite", action="store_true",
                                             help="load weights with NaN or infinite values (refused by default)")
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
@@ -372,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the least each count among the arguments can be (a log-prob needs two tokens)
-MINIMUMS = {"tp": 1, "ep": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+MINIMUMS = {"tp": 1, "ep": 1, "pp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
 # the argument naming what each command writes
 OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
 

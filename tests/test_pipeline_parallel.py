@@ -249,3 +249,37 @@ def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused():
     layers = provider.hf_config.num_hidden_layers
     with pytest.raises(ValueError, match=rf"^pipeline parallel size {layers + 1} must divide the {layers} decoder"):
         provider.check_parallel_layout(1, 1, layers + 1)
+
+
+def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
+    from conversion.cli import main
+
+    folder = CHECKPOINTS["deepseek_v4"]
+    assert main(["import", str(folder), str(tmp_path / "megatron"), "--pp", "2"]) == 0
+    assert megatron_ckpt.read_metadata(tmp_path / "megatron")["written_at_pp"] == 2
+    assert main(["export", str(tmp_path / "megatron"), str(tmp_path / "hf")]) == 0
+    original, exported = load_file(folder / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+def test_cli_parity_and_logprobs_at_pp_2(tmp_path, references):
+    import json
+
+    from conversion.cli import main
+
+    assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "2", "--seq-len", "24", "--tolerance",
+                 str(LOGPROB_TOLERANCE)]) == 0
+    tokens = micro_batches()[0]["tokens"]
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens.tolist()))
+    assert main(["logprobs", str(CHECKPOINTS["deepseek_v4"]), "--tokens", str(tmp_path / "tokens.json"),
+                 "--out", str(tmp_path / "logprobs.json"), "--pp", "2", "--pack"]) == 0
+    ours = torch.tensor(json.loads((tmp_path / "logprobs.json").read_text())["logprobs"])
+    assert _max_diff(ours, references["deepseek_v4"][0][0]) <= LOGPROB_TOLERANCE
+
+
+def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
+    from conversion.cli import main
+
+    assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "3"]) == 2
+    assert "pipeline parallel size 3 must divide the 2 decoder layers" in capsys.readouterr().err
