@@ -18,6 +18,8 @@ applied by `apply()`, only when `torch.cuda.is_available()` is False, and each h
 | (DDP's buffers), optimizer.optimizer, optimizer.clip_grads,     | waits on torch.cuda.current_stream()          |
 | pipeline_parallel.schedules, pipeline_parallel.p2p_communication| (p2p: the receive buffers between pipeline    |
 |                                                                 | stages, torch.cuda.synchronize() after them)  |
+| LanguageModule.setup_embeddings_and_output_layer                | moves the word embedding shared by the first  |
+|                                                                 | and last pipeline stages with `.cuda()`       |
 | DistributedOptimizer / Float16OptimizerWithFloat16Params        | accept only tensors whose type() is           |
 | __init__, clip_grad_by_total_norm_fp32                          | "torch.cuda.FloatTensor" (or Half / BFloat16) |
 """
@@ -48,6 +50,7 @@ def apply() -> None:
     _patch_dist_checkpointing()
     _patch_cuda_allocations()
     _patch_optimizer_type_checks()
+    _patch_shared_embedding_setup()
     _applied = True
 
 
@@ -176,6 +179,34 @@ def _patch_optimizer_type_checks() -> None:
         optimizer.Float16OptimizerWithFloat16Params.__init__)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
         clip_grads.clip_grad_by_total_norm_fp32)
+
+
+def _patch_shared_embedding_setup() -> None:
+    # With pipeline stages and a word embedding used on the last stage too (tied head, MTP), GPTModel's
+    # setup_embeddings_and_output_layer calls `weight.data.cuda()` before all-reducing the copies; inside that call a
+    # CPU tensor's .cuda() is the tensor itself.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
+
+
+class _CudaIsCpu(torch.overrides.TorchFunctionMode):
+    """tensor.cuda() of a CPU tensor is the tensor: there is no other device to move it to."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda and not args[0].is_cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _with_cuda_as_cpu(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _CudaIsCpu():
+            return function(*args, **kwargs)
+
+    return call
 
 
 def _give_modules_torch_on_cpu(*module_names: str) -> None:

@@ -215,6 +215,7 @@ class ModelProvider:
         config = self.transformer_config()
         # no device argument in Megatron's parameter constructors, so torch.device("meta") places them all
         config.use_cpu_initialization, config.perform_initialization = True, False
+        config.init_model_with_meta_device = True  # no all-reduce of a word embedding shared by pipeline stages
         with torch.device("meta"):
             return cast_floating(self.build_model(config), self.params_dtype)
 

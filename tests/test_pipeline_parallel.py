@@ -17,6 +17,9 @@ PP 2 x TP 2).
   after loading are bit-identical to the HF checkpoint's.
 - Every rank's export at PP 2 yields every tensor of the checkpoint once (each stage's under its global layer
   number), and `provider.token_logprobs` (the forward-only schedule inside) gives the same log-probs on every rank.
+- Llama with `tie_word_embeddings` at PP 2: the last stage's head is a copy of the first stage's embedding (built on
+  the CPU through modelzoo.cpu_compat, on the meta device without the all-reduce that starts the copies equal); the
+  log-probs and gradients equal transformers' (the embedding's gradient is the sum of both stages' uses).
 - LoopCoder refuses PP > 1 in one sentence; P2P over gloo works once modelzoo.cpu_compat gives p2p_communication
   CPU receive buffers (tests/test_cpu_compat.py).
 """
@@ -27,7 +30,7 @@ import functools
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, write_llama_variant
 from safetensors.torch import load_file
 
 from conversion import megatron_ckpt
@@ -125,8 +128,12 @@ def _checkpoint_round_trips(folder, scratch) -> dict:
     return results
 
 
-def _two_ranks(rank: int, scratch) -> dict:
+def _two_ranks(rank: int, scratch, tied_llama) -> dict:
     results = {}
+    with runtime.parallel(pp=2):
+        skeleton = build_provider(tied_llama).provide_skeleton()
+        results["tied_llama", "skeleton_devices"] = sorted({param.device.type for param in skeleton.parameters()})
+        results["tied_llama"] = _trained(tied_llama)
     for architecture, folder in CHECKPOINTS.items():
         with runtime.parallel(pp=2):
             results[architecture] = _trained(folder)
@@ -152,14 +159,20 @@ def _four_ranks(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return {architecture: hf_reference(folder, tmp_path_factory.mktemp(f"hf-grads-{architecture}"))
-            for architecture, folder in CHECKPOINTS.items()}
+def tied_llama(tmp_path_factory, make_tiny):
+    """The tiny Llama with `tie_word_embeddings: true` (no lm_head tensor)."""
+    return write_llama_variant(tmp_path_factory.mktemp("llama-tied"), make_tiny, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return runtime.spawn(_two_ranks, 2, tmp_path_factory.mktemp("pp-checkpoints"))
+def references(tmp_path_factory, tied_llama):
+    return {architecture: hf_reference(folder, tmp_path_factory.mktemp(f"hf-grads-{architecture}"))
+            for architecture, folder in {**CHECKPOINTS, "tied_llama": tied_llama}.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tied_llama):
+    return runtime.spawn(_two_ranks, 2, tmp_path_factory.mktemp("pp-checkpoints"), tied_llama)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +218,19 @@ def test_gradients_through_the_schedule_equal_transformers(architecture, referen
         assert set(reference) <= set(grads), (layout, sorted(set(reference) - set(grads))[:3])
         for name, expected in reference.items():
             assert _relative_error(grads[name], expected, name) <= GRADIENT_TOLERANCE, (layout, rank, name)
+
+
+def test_llama_with_tied_embeddings_at_pp_2_equals_transformers(references, two_ranks):
+    reference_logprobs, reference_grads = references["tied_llama"]
+    assert "lm_head.weight" not in reference_grads
+    for rank, result in enumerate(two_ranks):
+        assert result["tied_llama", "skeleton_devices"] == ["meta"]
+        trained = result["tied_llama"]
+        assert len(trained["forward_only"]) == (MICRO_BATCHES if rank == 1 else 0)
+        for loss, theirs in zip(trained["forward_only"], reference_logprobs):
+            assert _max_diff(-loss, theirs) <= LOGPROB_TOLERANCE, rank
+        for name, expected in reference_grads.items():
+            assert _relative_error(trained["grads"][name], expected, name) <= GRADIENT_TOLERANCE, (rank, name)
 
 
 def test_mtp_on_the_last_stage_gives_the_one_stage_gradients(two_ranks):

@@ -152,10 +152,9 @@ class DeepseekV4Model(MegatronModule):
         weight.shared_embedding = True
         if not self.pre_process:
             weight.shared = True
-            if weight.device.type != "meta":
-                with torch.no_grad():
-                    weight.zero_()
-        if weight.device.type != "meta" and parallel_state.is_rank_in_embedding_group():
+            with torch.no_grad():
+                weight.zero_()
+        if not self.config.init_model_with_meta_device and parallel_state.is_rank_in_embedding_group():
             torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
