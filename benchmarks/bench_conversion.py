@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--shard-bytes", type=int, default=512 * 2**20)
-    parser.add_argument("--out", default="bench_conversion.json")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "conversion_cpu.json"))
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))

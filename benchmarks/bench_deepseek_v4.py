@@ -1,7 +1,7 @@
 """DeepSeek-V4 training step on one GPU: our Megatron model against transformers' eager implementation.
 
     python benchmarks/bench_deepseek_v4.py [--config small|large] [--seq 4096] [--paths exact,fast]
-                                           [--out results.json] [--steps 5]
+                                           [--out FILE] [--steps 5]
     python benchmarks/bench_deepseek_v4.py --profile --paths fast   # top CUDA / CPU ops of that path instead
 
 `--paths fast+graphs` times the fast path with the decoder layers replayed as CUDA graphs
@@ -10,7 +10,8 @@
 `small`, the config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x
 256, 16 experts top-4, hc_mult 4. `large`, about 1B active parameters: hidden 2048, 12 layers, 16 heads x
 512, 16 experts top-6 (+1 shared) of 1024. Both at release attention ratios (window 128, compress ratios
-4 / 128, index top-k 512); bf16, forward + backward of the mean token loss, batch 1 x `--seq`. Both models
+4 / 128, index top-k 512); bf16, forward + backward of the mean token loss, batch 1 x `--seq`; peak memory is
+`max_memory_reserved` (what the allocator holds from the GPU). Both models
 get the same random weights (our tiny checkpoint generator at this config). MFU counts the matmul
 parameters a token goes through (attention projections, the active experts and the shared expert, the
 head) x 6, plus attention over the window and the visible compressed entries x 3 (forward + backward);
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import hf_step, matmul_peak_tflops, megatron_step, time_steps  # noqa: E402
+from bench_dense import hf_step, matmul_peak_tflops, megatron_step, results_file, time_steps  # noqa: E402
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -78,21 +79,30 @@ def step_flops(c: dict, seq: int) -> float:
     return 6 * tokens * active_parameters(c) + attention
 
 
-def our_model(folder: Path, attention: str):
+RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "moe"]),
+    "selective-attention": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
+}
+
+
+def our_model(folder: Path, attention: str, recompute: str = "none"):
     """(provider, model) of our DeepSeek-V4 in bf16 with the checkpoint's weights (inside runtime.parallel)."""
     from modelzoo.registry import build_provider
 
-    provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention, perform_initialization=False)
+    provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention, perform_initialization=False,
+                              **RECOMPUTE[recompute])
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
     return provider, model
 
 
-def our_step(folder: Path, ids: torch.Tensor, path: str):
+def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: str = "none"):
     """(model, training step) of one `--paths` entry: an attention path, "+graphs" to capture the decoder
     layers' CUDA graphs in the first step."""
     attention, _, graphs = path.partition("+")
-    provider, model = our_model(folder, attention)
+    provider, model = our_model(folder, attention, recompute)
     step = megatron_step(provider, model, ids)
     if not graphs:
         return model, step
@@ -160,7 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--out", default="bench_deepseek_v4.json")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
@@ -169,6 +180,10 @@ def main() -> None:
                         help="instead of timing, profile --profile-steps steps of our model on the first of --paths and "
                              "print the top ops")
     parser.add_argument("--profile-steps", type=int, default=1)
+    parser.add_argument("--recompute", choices=sorted(RECOMPUTE), default="none",
+                        help="activation recompute of our model: full (every layer), selective (core_attn, layernorm, "
+                             "moe) or selective-attention (core_attn, layernorm)")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' model (e.g. where it cannot fit)")
     args = parser.parse_args()
 
     from transformers import DeepseekV4ForCausalLM
@@ -204,17 +219,18 @@ def main() -> None:
                         "loss": loss, "first_step_s": first_step})
         torch.cuda.empty_cache()
 
-    hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
-    record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
-    del hf
+    if not args.no_hf:
+        hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+        record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
+        del hf
     with runtime.parallel(tp=1):
         for path in args.paths.split(","):
-            model, step = our_step(folder, ids, path)
-            record(f"megatron deepseek_v4 ({path})", step)
+            model, step = our_step(folder, ids, path, args.recompute)
+            record(f"megatron deepseek_v4 ({path}, recompute {args.recompute})", step)
             model.release_cuda_graphs()
             del model, step
 
-    baseline = results[0]
+    baseline = results[0] if not args.no_hf else {"out_of_memory": True}
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
           f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
     print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"
@@ -229,8 +245,10 @@ def main() -> None:
             ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
-    Path(args.out).write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
-                                          "config": config, "results": results}, indent=2))
+    suffix = "" if args.recompute == "none" else f"_{args.recompute}_recompute"
+    out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
+    out.write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+                               "recompute": args.recompute, "config": config, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training-step throughput of the dense models on one GPU, measured side by side in one run.
 
-    python benchmarks/bench_dense.py [--out results.json] [--steps 10]
+    python benchmarks/bench_dense.py [--out FILE] [--steps 10]     # FILE: benchmarks/results/dense_<gpu>.json
 
 Models (bf16, forward + backward of the mean token loss, batch 2 x 4096, the Llama config of the
 performance issue: hidden 2048, 16 layers, 16 / 4 heads, intermediate 5632):
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,13 @@ LLAMA = {
 LOOPCODER = {**LLAMA, "model_type": "iquestloopcoder", "architectures": ["IQuestLoopCoderForCausalLM"],
              "loop_num": 2, "loop_window_size": 64}
 BATCH, SEQ = 2, 4096
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_file(name: str) -> str:
+    """benchmarks/results/<name>_<gpu>.json, e.g. dense_h200.json: one file per benchmark, config and GPU."""
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
+    return str(RESULTS / f"{name}_{gpu}.json")
 
 
 def matmul_peak_tflops() -> float:
@@ -67,7 +75,8 @@ def time_steps(step, steps: int) -> tuple[float, float]:
     for _ in range(steps):
         step()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_allocated() / 2**30
+    # reserved, not allocated: what the caching allocator holds from the GPU (CUDA graph pools included)
+    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_reserved() / 2**30
 
 
 def hf_step(model, ids):
@@ -90,7 +99,7 @@ def megatron_step(provider, model, ids):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="bench_dense.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/dense_<gpu>.json")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", nargs="*", default=None)
     args = parser.parse_args()
@@ -143,7 +152,7 @@ def main() -> None:
         r.update(tokens_per_s_vs_hf_llama=ratio, memory_vs_hf_llama=memory_ratio)
         print(f"{r['model']:<22}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>10.0f}{r['tflops']:>9.0f}"
               f"{r['mfu']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>13.2f}{memory_ratio:>11.2f}")
-    with open(args.out, "w") as handle:
+    with open(args.out or results_file("dense"), "w") as handle:
         json.dump({"peak_tflops": peak, "batch": BATCH, "seq": SEQ, "results": results}, handle, indent=2)
 
 

@@ -1,6 +1,6 @@
 """Packed sequences on one GPU: a THD row of variable-length samples against the same tokens unpacked or padded.
 
-    python benchmarks/bench_packed.py [--models loopcoder,deepseek_v4] [--steps 2] [--out bench_packed.json]
+    python benchmarks/bench_packed.py [--models loopcoder,deepseek_v4] [--steps 2] [--out FILE]
 
 16 samples with lengths log-uniform in [256, 16384] (seed 10, the first seed whose draws total about 64k tokens:
 64,793 tokens, 623 to 15,389 per sample), bf16, forward + backward of the
@@ -132,9 +132,10 @@ def main() -> None:
     parser.add_argument("--models", default="loopcoder,deepseek_v4")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--padded-micro-batch", type=int, default=1)
-    parser.add_argument("--out", default="bench_packed.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/packed_<gpu>.json")
     args = parser.parse_args()
 
+    from bench_dense import results_file
     from modelzoo import runtime
 
     lengths = sample_lengths()
@@ -176,7 +177,7 @@ def main() -> None:
         for baseline in ("unpacked", "padded"):
             if f"packed_vs_{baseline}" in results:
                 print(f"{name:<12}packed / {baseline}: {results[f'packed_vs_{baseline}']:.2f}x")
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out or results_file("packed")).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

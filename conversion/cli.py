@@ -1,8 +1,12 @@
 """The `modelzoo` command: import, export, logprobs, parity, list.
 
-`--tp N --ep M --pp P` runs N x M x P ranks: gloo processes on a CPU machine (GPUs with nccl on a GPU machine).
-`export` reads a checkpoint written at any of these layouts (pipeline stages included) at its own `--tp` / `--ep`.
+`--tp N --ep M --pp P` runs N x M x P ranks (`logprobs` and `parity` also take `--cp C`: N x M x C x P ranks):
+gloo processes on a CPU machine (GPUs with nccl on a GPU machine). `export` reads a checkpoint written at any of
+these layouts (pipeline stages included) at its own `--tp` / `--ep`.
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
+
+torch, Megatron-Core and transformers' modeling code are imported by the commands that use them, after
+the checks that need none of them: help, `list`, argument errors and most refused inputs answer at once.
 """
 
 from __future__ import annotations
@@ -28,19 +32,15 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-import torch  # noqa: E402
-
-from conversion import engine, megatron_ckpt, validation  # noqa: E402
-from conversion.mapping import MappingError  # noqa: E402
-from conversion.native import keep_source_scales  # noqa: E402
-from conversion.safetensors_io import CheckpointError, remove_stale_staging, staging_prefix, write_failure  # noqa: E402
-from modelzoo import runtime  # noqa: E402
-from modelzoo.parity import DTYPES, hf_outputs, megatron_outputs  # noqa: E402
-from modelzoo.provider import TOKENIZER_FILES  # noqa: E402
+from conversion.errors import CheckpointError, MappingError  # noqa: E402
+from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
+from modelzoo.processes import RankFailed, interrupt_on_sigterm  # noqa: E402
 from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
 USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
+# the --dtype choices, by their names in torch
+DTYPES = ("bfloat16", "float32")
 
 
 class ParityFailed(Exception):
@@ -86,9 +86,16 @@ def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
 
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
                  options: dict, allow_non_finite: bool, pp: int) -> int:
+    import torch
+
+    from conversion import engine, megatron_ckpt, validation
+    from conversion.native import keep_source_scales
+    from modelzoo import runtime
+    from modelzoo.provider import TOKENIZER_FILES
+
     with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep, pp=pp),
           validation.non_finite_allowed(allow_non_finite)):
-        provider = build_provider(hf_dir, params_dtype=DTYPES[dtype_name], **options)
+        provider = build_provider(hf_dir, params_dtype=getattr(torch, dtype_name), **options)
         config = Path(hf_dir) / "config.json"
         retyped_config = _config_with_dtype(config, dtype_name)
         reader = provider.checkpoint_reader(Path(hf_dir), naming)
@@ -119,7 +126,9 @@ def cmd_import(args) -> int:
     _refuse_existing(out)
     options = _provider_options(args)
     provider = build_provider(args.hf_dir, **options)  # model type and layout checked before any process starts
-    provider.check_parallel_layout(args.tp, args.ep, args.pp)
+    provider.check_parallel_layout(args.tp, args.ep, pp=args.pp)
+    from modelzoo import runtime  # after the checks: a refused input does not wait for torch
+
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
     local_elements = runtime.run(_import_rank, args.tp * args.ep * args.pp, args.hf_dir, str(out), args.tp, args.ep,
@@ -134,10 +143,16 @@ def cmd_import(args) -> int:
 
 def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int,
                  options: dict) -> int:
+    import torch
+
+    from conversion import megatron_ckpt
+    from modelzoo import runtime
+
     metadata = megatron_ckpt.read_metadata(megatron_dir)
     hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
     with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(hf_side, params_dtype=DTYPES[metadata["dtype"]], **metadata.get("model_options", {}))
+        provider = build_provider(hf_side, params_dtype=getattr(torch, metadata["dtype"]),
+                                  **metadata.get("model_options", {}))
         # streamed: the model is never built, its tensors are read a bounded group at a time
         weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)
         return provider.save_checkpoint(weights, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
@@ -146,6 +161,9 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
 def cmd_export(args) -> int:
     out = Path(args.hf_dir)
     _refuse_existing(out)
+    from conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
+    from modelzoo import runtime
+
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
     if metadata.get("dtype") not in DTYPES or not isinstance(metadata.get("architecture"), str):
         raise CheckpointError(f"{Path(args.megatron_dir) / megatron_ckpt.METADATA_FILE} must name the architecture "
@@ -196,7 +214,10 @@ def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def _provider_options(args) -> dict:
-    return {"require_mtp": True} if args.require_mtp else {}
+    options = {"require_mtp": True} if args.require_mtp else {}
+    if getattr(args, "sp", False):
+        options["sequence_parallel"] = True
+    return options
 
 
 def _write_new_file(path: Path, text: str) -> None:
@@ -224,16 +245,20 @@ def cmd_logprobs(args) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.pp)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
-    dtype = DTYPES[args.dtype]
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
                          "at a time: drop --pack or use --backend megatron")
+    import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
+
+    from modelzoo.parity import hf_outputs, megatron_outputs
+
+    dtype = getattr(torch, args.dtype)
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
                                     options=_provider_options(args), packed=sequences,
-                                    allow_non_finite=args.allow_non_finite, pp=args.pp)
+                                    allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
@@ -242,7 +267,7 @@ def cmd_logprobs(args) -> int:
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
                                        ep=args.ep, options=_provider_options(args),
-                                       allow_non_finite=args.allow_non_finite, pp=args.pp)
+                                       allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
     for number, values in enumerate(results):
         bad = next((position for position, value in enumerate(values) if not math.isfinite(value)), None)
@@ -257,8 +282,12 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.pp)
-    dtype = DTYPES[args.dtype]
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
+    import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
+
+    from modelzoo.parity import hf_outputs, megatron_outputs
+
+    dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, provider.vocab_size, (args.batch, args.seq_len), generator=generator)
     # the packed case: sequences of several lengths in one THD row, each against its own HF run
@@ -266,7 +295,7 @@ def cmd_parity(args) -> int:
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
         args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed,
-        allow_non_finite=args.allow_non_finite, pp=args.pp)
+        allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
                                                    allow_non_finite=args.allow_non_finite)
@@ -274,7 +303,8 @@ def cmd_parity(args) -> int:
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "ep": args.ep, "pp": args.pp, "dtype": args.dtype, "attention": args.attention,
+        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "cp": args.cp, "pp": args.pp,
+        "dtype": args.dtype, "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
@@ -351,12 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("hf_dir")
         sub.add_argument("--attention", choices=("exact", "fast"), default="exact")
+        sub.add_argument("--cp", type=int, default=1,
+                         help="context-parallel size: each sequence cut into 2 x cp chunks over cp ranks")
         common(sub)
+        sub.add_argument("--sp", action="store_true",
+                         help="sequence parallel: split each sequence over the --tp ranks (rows padded to a multiple)")
         require_mtp(sub)
         sub.set_defaults(func=func)
     for name in ("import", "logprobs", "parity"):
         commands.choices[name].add_argument("--pp", type=int, default=1,
-                                            help="pipeline-parallel size (stages; x tp x ep ranks)")
+                                            help="pipeline-parallel size: the decoder layers split over pp stages")
         commands.choices[name].add_argument("--allow-non-finite", action="store_true",
                                             help="load weights with NaN or infinite values (refused by default)")
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
@@ -377,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the least each count among the arguments can be (a log-prob needs two tokens)
-MINIMUMS = {"tp": 1, "ep": 1, "pp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+MINIMUMS = {"tp": 1, "ep": 1, "cp": 1, "pp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
 # the argument naming what each command writes
 OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
 
@@ -387,6 +421,9 @@ def check_arguments(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < least:
             raise ValueError(f"--{name.replace('_', '-')} {value}: it must be at least {least}")
+    if getattr(args, "sp", False) and args.tp < 2:
+        raise ValueError(f"--sp splits each sequence over the tensor-parallel ranks and needs --tp 2 or more, "
+                         f"got --tp {args.tp}")
     tolerance = getattr(args, "tolerance", None)
     if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"--tolerance {tolerance}: it must be a finite number >= 0")
@@ -397,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
     # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, runtime.interrupt_on_sigterm) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm) if in_main_thread else None
     try:
         check_arguments(args)
         return args.func(args)
@@ -409,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"modelzoo: error: {error.filename}: {error.strerror}", file=sys.stderr)
         return 2
-    except runtime.RankFailed as error:
+    except RankFailed as error:
         if error.error_type in {kind.__name__ for kind in USER_ERRORS}:
             print(f"modelzoo: error: {error.message}", file=sys.stderr)
             return 2

@@ -19,11 +19,8 @@ import re
 from collections.abc import Iterable
 from functools import cached_property
 
+from conversion.errors import MappingError
 from conversion.transforms import Direct, Transform
-
-
-class MappingError(ValueError):
-    """A checkpoint does not match the model: missing, unexpected or mis-shaped tensors."""
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:

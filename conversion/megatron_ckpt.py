@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from conversion import safe_pickle
-from conversion.safetensors_io import CheckpointError, create_staging_folder, publish_staging_folder, write_failure
+from conversion.safetensors_io import CheckpointError
+from conversion.staging import create_staging_folder, publish_staging_folder, write_failure
 from conversion.torch_dist_streaming import ParameterData, load_groups, original_errors, streaming_save_strategy
 from conversion.transforms import RowBlocks
 

@@ -11,7 +11,9 @@ Tensors are [batch, heads, seq, head_dim]; keys and values may have fewer heads 
 and keys share positions (self-attention over the same tokens). A `TokenLayout` (modelzoo/sequences.py)
 says which tokens belong together in packed and padded batches: attention stays within a sequence. The fast
 path then runs flex_attention with a block mask made from the sequence ids on a GPU (no [seq, seq] mask), and
-SDPA with the layout's boolean mask on the CPU.
+SDPA with the layout's boolean mask on the CPU. Under context parallelism the layout holds this rank's share of
+the rows: its queries attend over the keys and values of every rank of the group, gathered here
+(modelzoo/context_parallel.py), so every model with this attention runs context-parallel.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modelzoo.context_parallel import gather_keys_values
 from modelzoo.sequences import TokenLayout
 
 AttentionImpl = Literal["exact", "fast"]
@@ -86,11 +89,13 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
               impl: AttentionImpl = "exact", dropout: float = 0.0, layout: TokenLayout | None = None) -> Tensor:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+    if layout is not None and layout.context_parallel_keys is not None:
+        k, v = gather_keys_values(k, v, layout.context_parallel_keys.context_parallel)
     if impl == "exact":
         return eager_attention(q, k, v, scale, window, dropout, layout)
-    if impl == "fast":
-        return fast_attention(q, k, v, scale, window, dropout, layout)
-    raise ValueError(f"attention implementation {impl!r} is not one of {IMPLEMENTATIONS}")
+    return fast_attention(q, k, v, scale, window, dropout, layout)
 
 
 @functools.cache
@@ -126,22 +131,24 @@ def document_block_mask(layout: TokenLayout, window: int | None):
     """flex_attention block mask of a layout: causal within each sequence (and its window); padding sees itself.
 
     Built from the [b, s] sequence ids and positions without a [s, s] tensor (compiled `create_block_mask`):
-    blocks that straddle no sequence border are skipped or taken whole, as for one sequence.
+    blocks that straddle no sequence border are skipped or taken whole, as for one sequence. The keys are the
+    layout's `keys` (every rank's tokens under context parallelism).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    segment_ids, positions = layout.segment_ids, layout.positions
+    segment_ids, positions, keys = layout.segment_ids, layout.positions, layout.keys
 
     def same_sequence(batch, head, query, key):
-        allowed = (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
-        allowed = allowed & ((segment_ids[batch, key] >= 0) | (query == key))
+        query_at, key_at = keys.query_index[query], keys.index[key]
+        allowed = (segment_ids[batch, query] == keys.segment_ids[batch, key]) & (key_at <= query_at)
+        allowed = allowed & ((keys.segment_ids[batch, key] >= 0) | (query_at == key_at))
         if window is not None:
-            allowed = allowed & (positions[batch, query] - positions[batch, key] < window)
+            allowed = allowed & (positions[batch, query] - keys.positions[batch, key] < window)
         return allowed
 
     batch, seq = layout.shape
-    return create_block_mask(same_sequence, B=batch, H=None, Q_LEN=seq, KV_LEN=seq, device=segment_ids.device,
-                             _compile=True)
+    return create_block_mask(same_sequence, B=batch, H=None, Q_LEN=seq, KV_LEN=keys.index.shape[0],
+                             device=segment_ids.device, _compile=True)
 
 
 def _flex_documents(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, layout: TokenLayout) -> Tensor:

@@ -17,7 +17,8 @@ applied by `apply()`, only when `torch.cuda.is_available()` is False, and each h
 | norm without Apex / TE), distributed.param_and_grad_buffer      | torch.cuda.current_device() / device="cuda";  |
 | (DDP's buffers), optimizer.optimizer, optimizer.clip_grads,     | waits on torch.cuda.current_stream()          |
 | pipeline_parallel.schedules, pipeline_parallel.p2p_communication| (p2p: the receive buffers between pipeline    |
-|                                                                 | stages, torch.cuda.synchronize() after them)  |
+| (the receive buffers between stages), tensor_parallel.mappings  | stages, torch.cuda.synchronize() after them)  |
+| and .layers (sequence parallelism's gathers and reduce-scatters)|                                               |
 | LanguageModule.setup_embeddings_and_output_layer                | moves the word embedding shared by the first  |
 |                                                                 | and last pipeline stages with `.cuda()`       |
 | DistributedOptimizer / Float16OptimizerWithFloat16Params        | accept only tensors whose type() is           |
@@ -155,8 +156,9 @@ def _patch_cuda_allocations() -> None:
     # utils.local_multi_tensor_l2_norm, its implementation without Apex or Transformer Engine) and the
     # no-pipelining schedule's token count are small tensors made with device="cuda"; the pipeline schedules'
     # point-to-point communication makes its receive buffers on torch.cuda.current_device() and synchronises
-    # CUDA after batched sends and receives. In those modules
-    # torch becomes `_TorchOnCpu`.
+    # CUDA after batched sends and receives; under sequence parallelism the tensor-parallel mappings and linears
+    # put their all-gather and reduce-scatter outputs on torch.cuda.current_device(). In those modules torch
+    # becomes `_TorchOnCpu`.
     _give_modules_torch_on_cpu(
         "megatron.core.utils",
         "megatron.core.distributed.param_and_grad_buffer",
@@ -164,6 +166,8 @@ def _patch_cuda_allocations() -> None:
         "megatron.core.optimizer.clip_grads",
         "megatron.core.pipeline_parallel.schedules",
         "megatron.core.pipeline_parallel.p2p_communication",
+        "megatron.core.tensor_parallel.mappings",
+        "megatron.core.tensor_parallel.layers",
     )
 
 

@@ -9,7 +9,8 @@ output from this rank's vocabulary shard of the logits [b, s, V / tp] into the p
 (-log p(labels[t] | tokens up to t)); `runtime_gather_output=True` gathers the logits over the vocabulary;
 `decoder_input` [s, b, hidden] replaces the embedding; `loss_mask` weighs the MTP loss (the main loss is
 returned per token, unweighted, as GPTModel returns it). `attention_mask`, `position_ids` and
-`packed_seq_params` describe the batch (`modelzoo.sequences`). What a model cannot honour (a KV-cache
+`packed_seq_params` describe the batch (`modelzoo.sequences`); under context parallelism `input_ids`,
+`position_ids` and `labels` are this rank's share of the rows (`modelzoo.context_parallel`). What a model cannot honour (a KV-cache
 inference context, extra kwargs for Megatron's own blocks) is refused by name with the reason.
 """
 
@@ -35,9 +36,12 @@ def refuse_unsupported(model_name: str, inference_context=None, inference_params
                          f"or take the logits")
 
 
-def rotary_per_token(table: Tensor, layout: TokenLayout) -> Tensor:
-    """Megatron's RoPE frequency table [L, 1, 1, d] (L >= layout.rope_length) -> each token's frequencies
-    [s, b, 1, d]; for plain rows the table's first s rows as they are, [s, 1, 1, d]."""
+def rotary_per_token(rotary_pos_emb, layout: TokenLayout) -> Tensor:
+    """Megatron's `RotaryEmbedding` -> each token's frequencies [s, b, 1, d]; for plain rows the table's first s
+    rows as they are, [s, 1, 1, d]."""
+    # the whole table [rope_length, 1, 1, d], whatever the context-parallel size: each token takes its own row
+    # (`packed_seq=True` keeps Megatron from cutting the table into this rank's chunks, as it does for THD rows)
+    table = rotary_pos_emb(layout.rope_length, packed_seq=True)
     if layout.plain:
         return table[: layout.shape[1]]
     return table[layout.rope_positions.transpose(0, 1)].squeeze(2)
@@ -60,13 +64,19 @@ def language_model_output(logits: Tensor, labels: Tensor | None, vocab_size: int
 
 
 def input_layout(model_name: str, input_ids: Tensor | None, decoder_input: Tensor | None, position_ids, attention_mask,
-                 packed_seq_params, max_positions: int) -> TokenLayout:
-    """The batch's layout, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b] shape."""
+                 packed_seq_params, max_positions: int, config) -> TokenLayout:
+    """The batch's layout, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b] shape (under
+    sequence parallelism this rank's s / tp tokens, as Megatron hands them between stages); under context
+    parallelism, this rank's share of it."""
+    from modelzoo import context_parallel, sequence_parallel
     from modelzoo.sequences import token_layout
 
     if input_ids is None:
         if decoder_input is None:
             raise ValueError(f"{model_name}: input_ids or decoder_input is needed")
-        input_ids = torch.empty(decoder_input.shape[1], decoder_input.shape[0], dtype=torch.long,
-                                device=decoder_input.device)
-    return token_layout(input_ids, position_ids, attention_mask, packed_seq_params, max_positions)
+        seq = decoder_input.shape[0] * (config.tensor_model_parallel_size if sequence_parallel.enabled(config) else 1)
+        input_ids = torch.empty(decoder_input.shape[1], seq, dtype=torch.long, device=decoder_input.device)
+    layout = token_layout(input_ids, position_ids, attention_mask, packed_seq_params, max_positions,
+                          context_parallel.current())
+    sequence_parallel.check_sequence_length(model_name, layout.shape[1], config)
+    return layout

@@ -7,6 +7,7 @@ oracle class (transformers' own where it exists), loaded without remote code.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -17,8 +18,6 @@ from conversion.mapping import MappingError
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 from modelzoo.sequences import pack_sequences
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -88,25 +87,43 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
     return outputs
 
 
-def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, dtype: torch.dtype,
+def right_padded(input_ids: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`input_ids` [b, s] right-padded to a multiple of `multiple` tokens (what sequence parallelism splits), and
+    GPTModel's padding mask of it ([b, 1, 1, s'], True = padding), None when no padding is needed."""
+    seq = input_ids.shape[1]
+    padding = -seq % multiple
+    if not padding:
+        return input_ids, None
+    mask = torch.zeros(input_ids.shape[0], 1, 1, seq + padding, dtype=torch.bool, device=input_ids.device)
+    mask[..., seq:] = True
+    return torch.nn.functional.pad(input_ids, (0, padding)), mask
+
+
+def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, cp: int, dtype: torch.dtype,
                    attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None,
                    allow_non_finite: bool = False, pp: int = 1):
-    with runtime.parallel(tp=tp, ep=ep, pp=pp), validation.non_finite_allowed(allow_non_finite):
+    with runtime.parallel(tp=tp, ep=ep, cp=cp, pp=pp), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
                                   **options)
         check_before_building(provider)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
         model.eval()
+        # sequence parallelism splits each row over the TP ranks: rows and packed slots padded to a multiple of tp
+        multiple = tp if options.get("sequence_parallel") else 1
         outputs = []
         with torch.no_grad():
             for input_ids in batches:
-                ids = input_ids.to(runtime.device())
-                logprobs = provider.token_logprobs(model, ids).float().cpu()
-                logits = provider.gathered_logits(model, ids).float().cpu() if with_logits else None
+                seq = input_ids.shape[1]
+                ids, mask = right_padded(input_ids.to(runtime.device()), multiple)
+                logprobs = provider.token_logprobs(model, ids, attention_mask=mask)[:, :seq - 1].float().cpu()
+                logits = None
+                if with_logits:
+                    logits = provider.gathered_logits(model, ids, attention_mask=mask)[:, :seq].float().cpu()
                 outputs.append((logprobs, logits))
             if packed is not None:
-                batch = pack_sequences(packed, device=runtime.device())
+                # sequence parallelism splits the row over tp ranks, context parallelism each sequence into 2 x cp chunks
+                batch = pack_sequences(packed, divisor=math.lcm(multiple, 2 * cp), device=runtime.device())
                 logprobs = provider.token_logprobs(model, batch.input_ids, packed_seq_params=batch.packed_seq_params)
                 outputs.append([sequence.float().cpu() for sequence in logprobs])
         return outputs
@@ -114,13 +131,16 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
                      attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None,
-                     packed: list[list[int]] | None = None, allow_non_finite: bool = False, pp: int = 1):
-    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep x pp ranks, as rank 0 sees
-    them (with pipeline stages, sent from the last stage); the model is built and loaded once for all batches. `options`: more keywords of `build_provider`. With
-    `packed` (token-id lists), one more entry: each sequence's log-probs from one forward of them packed into a row.
+                     packed: list[list[int]] | None = None, allow_non_finite: bool = False, cp: int = 1,
+                     pp: int = 1):
+    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep x cp x pp ranks, as rank 0
+    sees them (with pipeline stages, sent from the last stage); the model is built and loaded once for all batches.
+    `options`: more keywords of `build_provider`. With `packed` (token-id lists), one more entry: each sequence's
+    log-probs from one forward of them packed into a row.
     `allow_non_finite`: load NaN or infinite weights rather than refuse them.
 
-    Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part).
+    Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part; under CP each
+    runs its share of every row and the results are gathered back).
     """
-    return runtime.run(_megatron_rank, tp * ep * pp, str(hf_dir), batches, tp, ep, dtype, attention, with_logits,
-                       options or {}, packed, allow_non_finite, pp)[0]
+    return runtime.run(_megatron_rank, tp * ep * cp * pp, str(hf_dir), batches, tp, ep, cp, dtype, attention,
+                       with_logits, options or {}, packed, allow_non_finite, pp)[0]

@@ -15,7 +15,6 @@ mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.gpt_c
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +28,9 @@ from transformers import PretrainedConfig
 from conversion import engine, megatron_ckpt
 from conversion.mapping import MappingTable
 from conversion.safetensors_io import CheckpointReader, ShardedWriter
-from modelzoo import runtime
+from modelzoo import context_parallel, runtime
 from modelzoo.attention import IMPLEMENTATIONS
-from modelzoo.logprobs import next_token_logprobs
+from modelzoo.logprobs import next_token_logprobs, vocab_parallel_logprobs
 
 # files carried from an HF checkpoint folder to an exported one besides config.json and the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -82,6 +81,8 @@ class ModelProvider:
     # whether its attention can hold copies of a KV head on several TP ranks (modelzoo/replicated_kv.py), so that
     # TP may be a multiple of the KV heads (num_query_groups) instead of a divisor
     copies_kv_heads: ClassVar[bool] = False
+    # whether its attention runs context-parallel (queries of this rank over every rank's keys: modelzoo.attention)
+    supports_context_parallel: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -123,6 +124,8 @@ class ModelProvider:
 
     # --- generic ------------------------------------------------------------------------------
     def _check_overrides(self) -> None:
+        if not self.config_overrides:  # nothing to check: a provider that is only read does not import Megatron-Core
+            return
         from megatron.core.transformer import TransformerConfig
 
         unknown = sorted(set(self.config_overrides) - {field.name for field in dataclasses.fields(TransformerConfig)})
@@ -144,7 +147,8 @@ class ModelProvider:
 
         fields = self.transformer_config_kwargs(**_parallel_sizes())
         self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"],
-                                   fields["pipeline_model_parallel_size"])
+                                   cp=fields["context_parallel_size"], pp=fields["pipeline_model_parallel_size"],
+                                   sp=bool(fields.get("sequence_parallel")))
         return TransformerConfig(**fields)
 
     def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
@@ -166,7 +170,7 @@ class ModelProvider:
             fields["num_query_groups"] = tp
         return fields
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, pp: int = 1) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
         """Refuse a layout that does not split this model evenly (before any work starts)."""
         fields = self.transformer_config_fields()
         if pp < 1 or fields["num_layers"] % pp:
@@ -182,6 +186,15 @@ class ModelProvider:
             )
         if ep != 1 and not self.has_experts:
             raise ValueError(f"expert parallel size {ep}: this {self.name} model has no experts to split")
+        if cp != 1 and not self.supports_context_parallel:
+            raise ValueError(f"context parallel size {cp}: context parallelism is not implemented for this {self.name} "
+                             f"model")
+        if pp > 1 and cp > 1:
+            raise ValueError(f"pipeline parallel size {pp} with context parallel size {cp}: pipeline stages are not "
+                             f"implemented together with context parallelism")
+        if pp > 1 and sp:
+            raise ValueError(f"pipeline parallel size {pp} with sequence parallelism: pipeline stages are not "
+                             f"implemented together with sequence parallelism")
 
     @staticmethod
     def pipeline_stage() -> dict[str, bool]:
@@ -277,7 +290,7 @@ class ModelProvider:
 
     def token_logprobs(self, model: torch.nn.Module, input_ids: torch.Tensor, *, position_ids=None,
                        attention_mask=None, packed_seq_params=None, loss_mask: torch.Tensor | None = None):
-        """log p(t[i+1] | t[:i+1]) from one forward, fp32, on every TP rank.
+        """log p(t[i+1] | t[:i+1]) from one forward, fp32, on every TP and CP rank.
 
         - rows `input_ids` [b, s] (padded ones with `attention_mask` / `position_ids`, GPTModel's arguments):
           a tensor [b, s - 1]; entries whose target is padding mean nothing;
@@ -285,12 +298,18 @@ class ModelProvider:
           equal to running that sequence alone;
         - with `loss_mask` (same shape as input_ids, nonzero on the tokens to score, e.g. the response tokens):
           a list, per row or per packed sequence, of the scored tokens' log-probabilities, in order.
+        Under context parallelism every rank passes the whole batch: each runs its share (`modelzoo.context_parallel`)
+        and the log-probabilities are gathered back.
         """
         from modelzoo.sequences import BatchLayoutError, packed_spans
 
-        logits = self.forward(model, input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                              packed_seq_params=packed_seq_params)
-        logprobs = next_token_logprobs(logits, input_ids, self.vocab_size)         # [b, s - 1]
+        if context_parallel.current() is None:
+            logits = self.forward(model, input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                  packed_seq_params=packed_seq_params)
+            logprobs = next_token_logprobs(logits, input_ids, self.vocab_size)     # [b, s - 1]
+        else:
+            logprobs = self._context_parallel_logprobs(model, input_ids, position_ids, attention_mask,
+                                                       packed_seq_params)
         if packed_seq_params is None:
             spans = [(row, 0, input_ids.shape[1]) for row in range(input_ids.shape[0])]
             if loss_mask is None:
@@ -310,6 +329,20 @@ class ModelProvider:
                                    f"log-probability (nothing precedes it)")
         return [logprobs[row, start:start + length - 1][scored[row, start + 1:start + length]]
                 for row, start, length in spans]
+
+    def _context_parallel_logprobs(self, model, input_ids, position_ids, attention_mask, packed_seq_params):
+        """`next_token_logprobs` of the whole batch from this CP rank's share of it: each token's target is read
+        from the whole row before it is split, and the per-token result is gathered back."""
+        seq = input_ids.shape[1]
+        targets = input_ids.roll(-1, dims=1)
+        if packed_seq_params is None:  # rows: right-padded to a multiple of 2 x CP, which no real token attends to
+            input_ids, targets, position_ids = (context_parallel.pad_rows(tensor) for tensor in
+                                                (input_ids, targets, position_ids))
+        local_ids, local_targets, local_positions = (context_parallel.split_for_rank(tensor, packed_seq_params)
+                                                     for tensor in (input_ids, targets, position_ids))
+        logits = model(local_ids, local_positions, attention_mask, packed_seq_params=packed_seq_params)
+        local = vocab_parallel_logprobs(logits, local_targets, self.vocab_size)
+        return context_parallel.gather_from_ranks(local, packed_seq_params)[:, : seq - 1]
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
         """`model(input_ids, **call)` (GPTModel's call) on every rank. With several pipeline stages, one micro-batch
@@ -342,13 +375,19 @@ class ModelProvider:
 
     @torch.no_grad()
     def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
-        """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training)."""
+        """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training); under
+        context parallelism from the whole rows, each rank running its share."""
         from megatron.core import parallel_state
 
-        local = self.forward(model, input_ids, **call).contiguous()
+        seq, packed_seq_params = input_ids.shape[1], call.get("packed_seq_params")
+        if packed_seq_params is None:
+            input_ids = context_parallel.pad_rows(input_ids)
+        local = self.forward(model, context_parallel.split_for_rank(input_ids, packed_seq_params),
+                             **call).contiguous()
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
-        return torch.cat(shards, dim=-1)[..., : self.vocab_size]
+        logits = torch.cat(shards, dim=-1)[..., : self.vocab_size]
+        return context_parallel.gather_from_ranks(logits, packed_seq_params)[:, :seq]
 
 
 def _parallel_sizes() -> dict[str, int]:
@@ -360,15 +399,5 @@ def _parallel_sizes() -> dict[str, int]:
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
     )
-
-
-def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
-

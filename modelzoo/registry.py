@@ -1,12 +1,35 @@
-"""Which provider serves a checkpoint: looked up by config.json's `model_type` or `architectures`."""
+"""Which provider serves a checkpoint: looked up by config.json's `model_type` or `architectures`.
+
+The built-in architectures are known by name and config keys without being imported: a config imports the
+code of the one architecture it names (torch, transformers' config class, the architecture's provider), and
+listing them or refusing an unknown model type imports none.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from conversion.validation import check_config
-from modelzoo.provider import ModelProvider, read_hf_config
+if TYPE_CHECKING:
+    from modelzoo.provider import ModelProvider
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinArchitecture:
+    module: str                         # importing it registers the provider (`register`)
+    hf_model_types: tuple[str, ...]     # the same as its provider class's (a test compares them)
+    hf_architectures: tuple[str, ...]
+
+
+BUILTIN_ARCHITECTURES = {
+    "deepseek_v4": BuiltinArchitecture("modelzoo.deepseek_v4", ("deepseek_v4",), ("DeepseekV4ForCausalLM",)),
+    "llama": BuiltinArchitecture("modelzoo.llama", ("llama",), ("LlamaForCausalLM",)),
+    "loopcoder": BuiltinArchitecture("modelzoo.loopcoder.provider", ("iquestloopcoder",),
+                                     ("IQuestLoopCoderForCausalLM",)),
+}
 
 _PROVIDERS: dict[str, type[ModelProvider]] = {}
 
@@ -18,21 +41,22 @@ def register(provider: type[ModelProvider]) -> type[ModelProvider]:
 
 
 def list_architectures() -> list[str]:
-    _import_builtin_architectures()
-    return sorted(_PROVIDERS)
+    return sorted(BUILTIN_ARCHITECTURES.keys() | _PROVIDERS.keys())
 
 
 def provider_class(config: dict[str, Any], where: str = "config") -> type[ModelProvider]:
-    _import_builtin_architectures()
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    for provider in _PROVIDERS.values():
-        if model_type in provider.hf_model_types:
-            return provider
-    for provider in _PROVIDERS.values():
-        if set(architectures) & set(provider.hf_architectures):
-            return provider
-    known = sorted(t for p in _PROVIDERS.values() for t in p.hf_model_types)
+    # the built-in architectures first, then the others in the order they were registered
+    candidates = {name: _PROVIDERS.get(name) or BUILTIN_ARCHITECTURES[name]
+                  for name in [*BUILTIN_ARCHITECTURES, *_PROVIDERS]}
+    for name, entry in candidates.items():
+        if model_type in entry.hf_model_types:
+            return _provider(name)
+    for name, entry in candidates.items():
+        if set(architectures) & set(entry.hf_architectures):
+            return _provider(name)
+    known = sorted(t for entry in candidates.values() for t in entry.hf_model_types)
     raise ValueError(f"{where}: unknown model_type {model_type!r} (architectures {architectures}); supported: {known}")
 
 
@@ -48,6 +72,8 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
         hf_dir = Path(hf_dir_or_config)
         config, where = read_hf_config(hf_dir), str(hf_dir / "config.json")
     provider = provider_class(config, where)
+    from conversion.validation import check_config  # here: it imports torch, which a refused model type does without
+
     check_config(config, provider.hf_config_class(), where)
     try:
         hf_config = provider.hf_config_class().from_dict(config)
@@ -56,8 +82,17 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
     return provider(hf_config, hf_dir=hf_dir, **overrides)
 
 
-def _import_builtin_architectures() -> None:
-    # each architecture package registers its provider on import
-    import modelzoo.deepseek_v4  # noqa: F401
-    import modelzoo.llama  # noqa: F401
-    import modelzoo.loopcoder.provider  # noqa: F401
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+
+
+def _provider(name: str) -> type[ModelProvider]:
+    if name not in _PROVIDERS:
+        importlib.import_module(BUILTIN_ARCHITECTURES[name].module)
+    return _PROVIDERS[name]

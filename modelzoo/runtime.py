@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from modelzoo import cpu_compat
+from modelzoo.processes import RankFailed, interrupt_on_sigterm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +40,25 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
 
     def check(self, world_size: int) -> None:
-        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)):
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep), ("cp", self.cp)):
             if size < 1:
                 raise ValueError(f"parallel layout: {name}={size} must be >= 1")
         if world_size % self.model_parallel_size:
             raise ValueError(
                 f"parallel layout: world size {world_size} is not divisible by tp*pp = {self.model_parallel_size}"
+            )
+        # context parallelism splits the data-parallel replicas of each (tensor x pipeline) shard
+        if world_size % (self.model_parallel_size * self.cp):
+            raise ValueError(
+                f"parallel layout: world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.model_parallel_size * self.cp}"
             )
         # expert parallelism splits the data-parallel replicas of each (tensor x pipeline) shard
         if world_size % (self.model_parallel_size * self.ep):
@@ -68,7 +76,7 @@ def device() -> torch.device:
 
 
 @contextlib.contextmanager
-def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterator[ParallelLayout]:
+def parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> Iterator[ParallelLayout]:
     """Bring up torch.distributed (if needed) and Megatron's parallel state; tear both down on exit.
 
     A process group that already exists (torchrun, a trainer) is used and left alone on exit.
@@ -77,7 +85,7 @@ def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterato
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     cpu_compat.apply()
-    layout = ParallelLayout(tp, pp, ep)
+    layout = ParallelLayout(tp, pp, ep, cp)
     owns_process_group = not dist.is_initialized()
     if owns_process_group:
         _init_single_process_group()
@@ -89,6 +97,7 @@ def parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> Iterato
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
+            context_parallel_size=cp,
         )
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
@@ -116,14 +125,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class RankFailed(RuntimeError):
-    """An exception on one rank of `spawn`; `error_type` and `message` are the original's."""
-
-    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str):
-        super().__init__(f"rank {rank} failed with {error_type}: {message}\n{remote_traceback}")
-        self.rank, self.error_type, self.message, self.remote_traceback = rank, error_type, message, remote_traceback
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -190,12 +191,6 @@ def _die_with_parent(parent: int) -> None:
                 time.sleep(0.5)
             os._exit(1)
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def interrupt_on_sigterm(signum, frame):
-    """A SIGTERM handler that unwinds like Ctrl-C (`KeyboardInterrupt("terminated")`): what a process
-    staged is removed on the way out."""
-    raise KeyboardInterrupt("terminated")
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:

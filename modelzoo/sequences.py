@@ -19,6 +19,11 @@ and its index within that sequence (`positions`). Attention is causal within a s
 windows, reaches back `window` positions); a padding token sees only itself, so its output is finite and
 read by no real token. Models read the layout instead of the raw arguments, so packed, padded and plain
 batches run the same code.
+
+Under context parallelism (CP) each rank of the CP group is handed its share of every row, in Megatron's
+load-balanced layout (`context_parallel_indices`; `modelzoo.context_parallel` splits and gathers batches): the
+layout then describes this rank's tokens as queries, and in `keys` the tokens of every rank, which attention
+reads after gathering their keys and values over the group.
 """
 
 from __future__ import annotations
@@ -32,6 +37,31 @@ from torch import Tensor
 
 class BatchLayoutError(ValueError):
     """An input that does not describe a batch this model can run (one sentence naming it)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ContextParallel:
+    """This rank's place in its context-parallel group (`group` is the torch.distributed process group)."""
+
+    group: object
+    size: int
+    rank: int
+
+
+@dataclasses.dataclass(eq=False)
+class KeyTokens:
+    """The tokens a layout's queries attend over, in the order their keys arrive: the row itself, or under context
+    parallelism every CP rank's tokens one rank after another (the order of an all-gather over the group).
+
+    segment_ids, positions [b, keys]; `index` [keys]: each key's place in the whole row; `query_index` [s]: each
+    query's place in the whole row (causality compares these, across ranks too).
+    """
+
+    segment_ids: Tensor
+    positions: Tensor
+    index: Tensor
+    query_index: Tensor
+    context_parallel: ContextParallel | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,6 +85,8 @@ class TokenLayout:
     plain: bool
     longest: int
     rope_length: int
+    # under context parallelism: every rank's tokens, which this rank's queries attend over
+    context_parallel_keys: KeyTokens | None = None
     # what kernels derive from the layout once per forward and reuse in every layer (flex_attention block masks)
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -72,19 +104,28 @@ class TokenLayout:
         """[b, s] bool, True for padding tokens (no sequence)."""
         return self.segment_ids < 0
 
+    @property
+    def keys(self) -> KeyTokens:
+        """The tokens this layout's queries attend over (its own, or every CP rank's)."""
+        if self.context_parallel_keys is not None:
+            return self.context_parallel_keys
+        index = torch.arange(self.shape[1], device=self.segment_ids.device)
+        return KeyTokens(self.segment_ids, self.positions, index, index)
+
     def visible(self, window: int | None = None) -> Tensor:
-        """[b, s, s] bool, True where query t may attend to key u: same sequence (or allowed by the caller's
-        mask), u <= t, and within `window` positions when given; a query that sees nothing sees itself."""
-        seq = self.shape[1]
-        index = torch.arange(seq, device=self.segment_ids.device)
-        allowed = index[None, None, :] <= index[None, :, None]
+        """[b, s, keys] bool, True where query t may attend to key u: same sequence (or allowed by the caller's
+        mask), u <= t in the row, and within `window` positions when given; a query that sees nothing sees itself."""
+        keys = self.keys
+        allowed = keys.index[None, None, :] <= keys.query_index[None, :, None]
         if self.attention_mask is not None:
             allowed = allowed & ~self.attention_mask[:, 0]
         else:  # padding sees itself only (below): finite, and no real token reads it
-            allowed = allowed & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :]) & ~self.padding[:, None, :]
+            allowed = allowed & (self.segment_ids[:, :, None] == keys.segment_ids[:, None, :]) \
+                & (keys.segment_ids >= 0)[:, None, :]
         if window is not None:
-            allowed = allowed & (self.positions[:, :, None] - self.positions[:, None, :] < window)
-        return allowed | (torch.eye(seq, dtype=torch.bool, device=allowed.device) & ~allowed.any(-1, keepdim=True))
+            allowed = allowed & (self.positions[:, :, None] - keys.positions[:, None, :] < window)
+        itself = keys.query_index[:, None] == keys.index[None, :]
+        return allowed | (itself & ~allowed.any(-1, keepdim=True))
 
     @functools.cached_property
     def sequences(self) -> list[tuple[int, int, int]]:
@@ -112,27 +153,84 @@ def plain_layout(batch: int, seq: int, device: torch.device | str) -> TokenLayou
 
 
 def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                 packed_seq_params=None, max_positions: int | None = None) -> TokenLayout:
-    """The layout of a GPTModel-style call; raises `BatchLayoutError` naming what is wrong with the arguments."""
+                 packed_seq_params=None, max_positions: int | None = None,
+                 context_parallel: ContextParallel | None = None) -> TokenLayout:
+    """The layout of a GPTModel-style call; raises `BatchLayoutError` naming what is wrong with the arguments.
+
+    With `context_parallel` (of size > 1), `input_ids` and `position_ids` are this rank's share of the rows, and
+    `packed_seq_params` describes the whole packed row, as Megatron hands them over."""
     if input_ids.dim() != 2:
         raise BatchLayoutError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     batch, seq = input_ids.shape
     device = input_ids.device
+    whole_seq = seq if context_parallel is None else seq * context_parallel.size
     if packed_seq_params is not None:
         if attention_mask is not None:
             raise BatchLayoutError("attention_mask and packed_seq_params together: a packed (THD) row is described by "
                                    "its cu_seqlens alone; pass attention_mask=None")
-        layout = _packed_layout(packed_seq_params, batch, seq, device)
+        try:
+            layout = _packed_layout(packed_seq_params, batch, whole_seq, device)
+        except BatchLayoutError as error:
+            if context_parallel is None:
+                raise
+            raise BatchLayoutError(f"{error} (this rank's {seq} tokens x context parallel size {context_parallel.size}:"
+                                   f" input_ids must be this rank's share, modelzoo.context_parallel.split_for_rank)"
+                                   ) from None
     elif attention_mask is not None:
+        if context_parallel is not None:
+            raise BatchLayoutError(f"attention_mask with context parallel size {context_parallel.size}: split rows are "
+                                   f"read as whole sequences; pass packed sequences (packed_seq_params) for several "
+                                   f"sequences or padding, and attention_mask=None")
         layout = _masked_layout(attention_mask, batch, seq, device)
     else:
-        layout = plain_layout(batch, seq, device)
+        layout = plain_layout(batch, whole_seq, device)
+    if context_parallel is not None:
+        layout = _rank_share(layout, row_slots(whole_seq, packed_seq_params), context_parallel)
     if position_ids is not None:
         layout = _with_position_ids(layout, position_ids, batch, seq)
     if max_positions is not None and layout.rope_length > max_positions:
         raise BatchLayoutError(f"a sequence reaches position {layout.rope_length - 1}, past the model's "
                                f"{max_positions} positions (max_position_embeddings)")
     return layout
+
+
+def row_slots(seq: int, packed_seq_params=None) -> list[int]:
+    """The lengths of the runs of a row that context parallelism splits each into 2 x CP chunks: the whole row, or
+    each packed sequence's slot (from `cu_seqlens_q_padded`, else `cu_seqlens_q`), as Megatron splits them."""
+    if packed_seq_params is None:
+        return [seq]
+    _, offsets = packed_spans(packed_seq_params, seq)
+    return [end - start for start, end in zip(offsets, [*offsets[1:], seq])]
+
+
+def context_parallel_indices(slots: list[int], size: int, rank: int, device=None) -> Tensor:
+    """The row indices CP rank `rank` of `size` holds, in its order: each slot (`row_slots`) cut into 2 x size equal
+    chunks, of which the rank takes chunks `rank` and `2 x size - 1 - rank` (Megatron's load-balanced layout:
+    `get_batch_on_this_cp_rank` for rows, Transformer Engine's `thd_get_partitioned_indices` for packed rows)."""
+    pieces, start = [], 0
+    for number, slot in enumerate(slots):
+        if slot % (2 * size):
+            where = "the row" if len(slots) == 1 else f"packed sequence {number}'s slot"
+            raise BatchLayoutError(
+                f"context parallel size {size} cuts every sequence into {2 * size} equal chunks, but {where} has "
+                f"{slot} tokens: pad it to a multiple of {2 * size} (packed rows: cu_seqlens_q_padded, "
+                f"pack_sequences(divisor={2 * size}))")
+        chunk = slot // (2 * size)
+        for piece in (rank, 2 * size - 1 - rank):
+            pieces.append(torch.arange(start + piece * chunk, start + (piece + 1) * chunk))
+        start += slot
+    return torch.cat(pieces).to(device)
+
+
+def _rank_share(whole: TokenLayout, slots: list[int], context_parallel: ContextParallel) -> TokenLayout:
+    """The layout of this CP rank's tokens of `whole`, with every rank's tokens as its keys."""
+    device = whole.segment_ids.device
+    ranks = [context_parallel_indices(slots, context_parallel.size, rank, device)
+             for rank in range(context_parallel.size)]
+    mine, every = ranks[context_parallel.rank], torch.cat(ranks)
+    keys = KeyTokens(whole.segment_ids[:, every], whole.positions[:, every], every, mine, context_parallel)
+    return TokenLayout(whole.segment_ids[:, mine], whole.positions[:, mine], whole.rope_positions[:, mine], None,
+                       plain=False, longest=whole.longest, rope_length=whole.rope_length, context_parallel_keys=keys)
 
 
 def _with_position_ids(layout: TokenLayout, position_ids: Tensor, batch: int, seq: int) -> TokenLayout:

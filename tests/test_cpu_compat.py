@@ -99,13 +99,15 @@ def test_dist_checkpointing_round_trip_on_cpu(tmp_path):
     assert torch.equal(loaded["w"], tensor)
 
 
-def test_cuda_allocations_of_ddp_optimizers_and_schedules_land_on_the_cpu():
+def test_cuda_allocations_of_ddp_optimizers_schedules_and_sequence_parallel_land_on_the_cpu():
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import layers, mappings
 
-    for module in (param_and_grad_buffer, megatron_optimizer, clip_grads, schedules, p2p_communication):
+    for module in (param_and_grad_buffer, megatron_optimizer, clip_grads, schedules, p2p_communication, mappings,
+                   layers):
         assert module.torch.zeros(2, device="cuda").device.type == "cpu"
         assert module.torch.tensor([1.0], device=module.torch.cuda.current_device()).device.type == "cpu"
     # the pipeline stages' receive buffers (p2p_communication's torch.empty on current_device()); sends and receives

@@ -20,7 +20,8 @@ PP 2 x TP 2).
 - Llama with `tie_word_embeddings` at PP 2: the last stage's head is a copy of the first stage's embedding (built on
   the CPU through modelzoo.cpu_compat, on the meta device without the all-reduce that starts the copies equal); the
   log-probs and gradients equal transformers' (the embedding's gradient is the sum of both stages' uses).
-- LoopCoder refuses PP > 1 in one sentence; P2P over gloo works once modelzoo.cpu_compat gives p2p_communication
+- LoopCoder refuses PP > 1 in one sentence, every model PP with context or sequence parallelism (the provider and
+  the CLI, exit 2); P2P over gloo works once modelzoo.cpu_compat gives p2p_communication
   CPU receive buffers (tests/test_cpu_compat.py).
 """
 
@@ -265,16 +266,28 @@ def test_torch_dist_checkpoints_move_between_pp_1_and_pp_2_bit_exactly(architect
 def test_loopcoder_refuses_pipeline_stages_saying_why():
     provider = build_provider(TINY / "loopcoder-tiny")
     with pytest.raises(ValueError, match=r"^LoopCoder: pipeline parallel size 2 .*loop 2 of layer l .*loop 1"):
-        provider.check_parallel_layout(1, 1, 2)
+        provider.check_parallel_layout(1, pp=2)
     with runtime.parallel():
-        provider.check_parallel_layout(1, 1, 1)
+        provider.check_parallel_layout(1, pp=1)
 
 
 def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused():
     provider = build_provider(CHECKPOINTS["llama"])
     layers = provider.hf_config.num_hidden_layers
     with pytest.raises(ValueError, match=rf"^pipeline parallel size {layers + 1} must divide the {layers} decoder"):
-        provider.check_parallel_layout(1, 1, layers + 1)
+        provider.check_parallel_layout(1, pp=layers + 1)
+
+
+def test_pipeline_stages_with_context_or_sequence_parallelism_are_refused():
+    provider = build_provider(CHECKPOINTS["llama"])
+    with pytest.raises(ValueError, match=r"^pipeline parallel size 2 with context parallel size 2: pipeline stages are "
+                                         r"not implemented together with context parallelism$"):
+        provider.check_parallel_layout(1, cp=2, pp=2)
+    with pytest.raises(ValueError, match=r"^pipeline parallel size 2 with sequence parallelism: pipeline stages are "
+                                         r"not implemented together with sequence parallelism$"):
+        provider.check_parallel_layout(2, pp=2, sp=True)
+    provider.check_parallel_layout(2, cp=2, sp=True)
+    provider.check_parallel_layout(2, pp=2)
 
 
 def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
@@ -309,3 +322,14 @@ def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
 
     assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "3"]) == 2
     assert "pipeline parallel size 3 must divide the 2 decoder layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout, refusal", [
+    (["--pp", "2", "--cp", "2"], "pipeline parallel size 2 with context parallel size 2"),
+    (["--pp", "2", "--tp", "2", "--sp"], "pipeline parallel size 2 with sequence parallelism"),
+])
+def test_cli_refuses_pipeline_stages_with_context_or_sequence_parallelism(capsys, layout, refusal):
+    from conversion.cli import main
+
+    assert main(["parity", str(CHECKPOINTS["llama"]), *layout]) == 2
+    assert f"modelzoo: error: {refusal}: pipeline stages are not implemented" in capsys.readouterr().err

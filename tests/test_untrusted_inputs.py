@@ -632,7 +632,7 @@ def test_a_read_only_output_or_a_full_disk_gets_one_line(capsys, tmp_path, monke
 
 
 def test_what_dead_runs_staged_is_removed_and_nothing_else(capsys, tmp_path):
-    from conversion.safetensors_io import remove_stale_staging, staging_prefix
+    from conversion.staging import remove_stale_staging, staging_prefix
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)  # a process that has ended

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers import DeepseekV4Config
 
 from conversion import megatron_ckpt
 from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
@@ -66,6 +66,8 @@ class DeepseekV4Provider(ModelProvider):
         return DeepseekV4Config
 
     def hf_model_class(self):
+        from transformers import DeepseekV4ForCausalLM  # transformers' modeling code: for the parity oracle only
+
         return DeepseekV4ForCausalLM
 
     def check_supported(self) -> None:
@@ -82,8 +84,8 @@ class DeepseekV4Provider(ModelProvider):
     def args(self) -> v4_config.DeepseekV4Args:
         return v4_config.DeepseekV4Args.from_hf(self.hf_config)
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, pp: int = 1) -> None:
-        super().check_parallel_layout(tp, ep, pp)
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
+        super().check_parallel_layout(tp, ep, cp, pp, sp)
         v4_config.check_parallel(self.hf_config, tp, ep)
 
     def transformer_config_fields(self) -> dict:

@@ -182,4 +182,5 @@ def transformer_config_fields(hf: DeepseekV4Config) -> dict:
         gradient_accumulation_fusion=False,
         init_method_std=hf.initializer_range,
         attention_dropout=hf.attention_dropout,
+        moe_token_dispatcher_type="alltoall",
     )

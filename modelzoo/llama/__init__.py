@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from modelzoo.llama.bridge import llama_mapping
-from modelzoo.llama.model import build_gpt_model
 from modelzoo.provider import SWIGLU_RMSNORM_FIELDS, ModelProvider
 from modelzoo.registry import register
 
@@ -44,12 +43,15 @@ class LlamaProvider(ModelProvider):
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
     copies_kv_heads = True
+    supports_context_parallel = True
 
     @classmethod
     def hf_config_class(cls):
         return LlamaConfig
 
     def hf_model_class(self):
+        from transformers import LlamaForCausalLM  # transformers' modeling code: for the parity oracle only
+
         return LlamaForCausalLM
 
     def check_supported(self) -> None:
@@ -59,6 +61,8 @@ class LlamaProvider(ModelProvider):
         return llama_transformer_fields(self.hf_config)
 
     def build_model(self, config):
+        from modelzoo.llama.model import build_gpt_model  # Megatron-Core: not needed to read or check a config
+
         hf = self.hf_config
         return build_gpt_model(config, self.attention, self.padded_vocab_size(), hf.max_position_embeddings,
                                hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.num_key_value_heads,

@@ -13,20 +13,30 @@ import copy
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from modelzoo import gpt_call
+from modelzoo import gpt_call, sequence_parallel
 from modelzoo.attention import CoreAttention
 from modelzoo.replicated_kv import QKVParallelLinear
 
 
 def llama_layer_spec(attention: str, num_kv_heads: int) -> ModuleSpec:
-    """Megatron's local spec (column/row-parallel linears, torch RMSNorm) with our attention kernel, and a
-    linear_qkv that holds copies of the KV heads when they are fewer than the TP ranks."""
+    """Megatron's local spec (column/row-parallel linears, torch RMSNorm) with our attention kernel, a
+    linear_qkv that holds copies of the KV heads when they are fewer than the TP ranks, and norms marked for
+    sequence parallelism (modelzoo.sequence_parallel)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = sequence_parallel.rms_norm
     attention_modules = spec.submodules.self_attention.submodules
     attention_modules.core_attention = ModuleSpec(module=CoreAttention, params={"impl": attention})
     attention_modules.linear_qkv = ModuleSpec(module=QKVParallelLinear, params={"num_kv_heads": num_kv_heads})
     return spec
+
+
+def llama_block_spec(config, attention: str, num_kv_heads: int) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers and the final norm (the sequence-parallel-aware one, not Megatron's default)."""
+    layer = llama_layer_spec(attention, num_kv_heads)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=sequence_parallel.rms_norm)
 
 
 class LlamaGPTModel(GPTModel):
@@ -42,10 +52,10 @@ class LlamaGPTModel(GPTModel):
         if decoder_input is None and not self.pre_process:
             decoder_input = self.decoder.input_tensor  # a later pipeline stage: the previous stage's output
         layout = gpt_call.input_layout("Llama", input_ids, decoder_input, position_ids, attention_mask,
-                                       packed_seq_params, self.max_sequence_length)
+                                       packed_seq_params, self.max_sequence_length, self.config)
         if decoder_input is None:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=None)            # [s, b, hidden]
-        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb, layout)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary,
                               packed_seq_params=layout)
         if not self.post_process:
@@ -62,7 +72,7 @@ def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence
     in the model by Megatron's layer offset; `pre_process` / `post_process`: it embeds / holds the head."""
     model = LlamaGPTModel(
         config=config,
-        transformer_layer_spec=llama_layer_spec(attention, num_kv_heads),
+        transformer_layer_spec=llama_block_spec(config, attention, num_kv_heads),
         vocab_size=padded_vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",

@@ -18,28 +18,30 @@ never stored on a module: they are freed with the autograd graph after backward.
 The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`): in packed rows and padded batches the
 batch's `TokenLayout` keeps every attention (loop 1, loop 2's global attention over loop-1 K/V, and its
 window) inside each sequence, and RoPE follows each token's position.
+
+Under sequence parallelism (modelzoo.sequence_parallel) the norms and residuals hold this rank's tokens; the
+column-parallel linear_qkv gathers the sequence, so queries, keys, the gate and loop-1 K/V are whole-sequence
+tensors of this rank's heads (the gate is sharded with them and gathers nothing).
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import divide
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from modelzoo import gpt_call
+from modelzoo import gpt_call, sequence_parallel
 from modelzoo.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
+from modelzoo.recompute import recomputed
 from modelzoo.replicated_kv import QKVParallelLinear
 from modelzoo.sequences import TokenLayout
 
@@ -103,9 +105,8 @@ class LoopCoderAttention(MegatronModule):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, layout: TokenLayout) -> Tensor:
         scale = self.head_dim**-0.5
-        if self.recompute_core_attention and torch.is_grad_enabled():
-            return checkpoint(attention, q, k, v, scale, window, self.attention_impl, 0.0, layout, use_reentrant=False)
-        return attention(q, k, v, scale, window, self.attention_impl, layout=layout)
+        return recomputed(attention, self.recompute_core_attention)(q, k, v, scale, window, self.attention_impl, 0.0,
+                                                                    layout)
 
     def forward(self, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
                 loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
@@ -117,7 +118,7 @@ class LoopCoderAttention(MegatronModule):
             local_context = self._core(q, k, v, self.loop_window_size, layout)
             gate = self.loop_gate(q)
             context = gate * global_context + (1 - gate) * local_context
-        seq, batch = hidden.shape[:2]
+        batch, _, seq, _ = q.shape  # the whole sequence: under sequence parallelism linear_qkv gathered it
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, self.local_heads * self.head_dim)
         output, _ = self.linear_proj(context)
         return output, (k, v)
@@ -126,12 +127,9 @@ class LoopCoderAttention(MegatronModule):
 class LoopCoderLayer(MegatronModule):
     def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
-        norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=True)
-        self.input_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
-                                            eps=config.layernorm_epsilon)
+        self.input_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
         self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
-        self.pre_mlp_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
-                                              eps=config.layernorm_epsilon)
+        self.pre_mlp_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
         self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
                                              linear_fc2=tensor_parallel.RowParallelLinear))
 
@@ -148,18 +146,13 @@ class LoopCoderDecoder(MegatronModule):
         super().__init__(config)
         self.layers = torch.nn.ModuleList(LoopCoderLayer(config, loop_window_size, attention_impl, train_gate,
                                                          num_kv_heads) for _ in range(config.num_layers))
-        norm = LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=False)
-        self.final_layernorm = build_module(norm, config=config, hidden_size=config.hidden_size,
-                                            eps=config.layernorm_epsilon)
+        self.final_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
         self.recompute_layers = config.recompute_granularity == "full"
 
     def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
              loop1_kv: LoopKV | None):
-        if self.recompute_layers and torch.is_grad_enabled():
-            # non-reentrant checkpoint: loop-1 K/V are outputs of the recomputed region and loop-2
-            # inputs to it, and gradients reach them through both paths
-            return checkpoint(layer, hidden, rotary, layout, loop1_kv, use_reentrant=False)
-        return layer(hidden, rotary, layout, loop1_kv)
+        # loop-1 K/V are outputs of a recomputed layer and loop-2 inputs to it: gradients reach them through both
+        return recomputed(layer, self.recompute_layers)(hidden, rotary, layout, loop1_kv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # Megatron's default treats a plain ModuleList as replicated; each layer knows its own TP split
@@ -220,9 +213,9 @@ class LoopCoderModel(MegatronModule):
         or with `labels` the per-token loss [batch, seq]."""
         gpt_call.refuse_unsupported("LoopCoder", inference_context, inference_params, extra_block_kwargs)
         layout = gpt_call.input_layout("LoopCoder", input_ids, decoder_input, position_ids, attention_mask,
-                                       packed_seq_params, self.max_sequence_length)
+                                       packed_seq_params, self.max_sequence_length, self.config)
         hidden = decoder_input if decoder_input is not None else self.embedding(input_ids, None)  # [seq, batch, hidden]
-        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb(layout.rope_length), layout)
+        rotary = gpt_call.rotary_per_token(self.rotary_pos_emb, layout)
         hidden = self.decoder(hidden, rotary, self.loop_num, layout)
         output_weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=output_weight)

@@ -17,6 +17,7 @@ class LoopCoderProvider(ModelProvider):
     hf_model_types = ("iquestloopcoder",)
     hf_architectures = ("IQuestLoopCoderForCausalLM",)
     copies_kv_heads = True
+    supports_context_parallel = True
 
     def __init__(self, hf_config, hf_dir=None, train_gate: bool = False, **overrides):
         self.train_gate = train_gate
@@ -34,19 +35,16 @@ class LoopCoderProvider(ModelProvider):
     def check_supported(self) -> None:
         check_llama_supported(self.hf_config, "iquestloopcoder config")
         overrides = self.config_overrides
-        if overrides.get("sequence_parallel"):
-            raise ValueError("LoopCoder: sequence_parallel is not supported (the local layers use torch RMSNorm, "
-                             "which Megatron-Core refuses under sequence parallelism)")
         if overrides.get("pipeline_model_parallel_size", 1) > 1:
             raise ValueError(PIPELINE_REFUSAL.format(pp=overrides["pipeline_model_parallel_size"]))
         if overrides.get("recompute_granularity") == "full" and overrides.get("recompute_method") == "block":
             raise ValueError("LoopCoder: full recompute checkpoints every layer call in both loops; "
                              "recompute_method='block' is not supported")
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, pp: int = 1) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
         if pp > 1:
             raise ValueError(PIPELINE_REFUSAL.format(pp=pp))
-        super().check_parallel_layout(tp, ep, pp)
+        super().check_parallel_layout(tp, ep, cp, pp, sp)
 
     def transformer_config_fields(self) -> dict:
         return llama_transformer_fields(self.hf_config)

@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 
 from conversion import engine, megatron_ckpt
 from conversion.mapping import compile_pattern, fill_pattern
-from conversion.safetensors_io import staged_folder
+from conversion.staging import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
 from modelzoo.lora.targets import projections, target_table
 

@@ -263,6 +263,9 @@ def apply_lora(model: nn.Module, provider, config: LoRAConfig) -> list[str]:
     """
     if any(True for _ in lora_layers(model)):
         raise ValueError("this model already has LoRA adapters")
+    if getattr(getattr(model, "config", None), "sequence_parallel", False):
+        # checked on the model: a batch-first model's linears run on the gathered sequence and do not say so
+        raise ValueError("LoRA: sequence parallelism is not supported; build the model with sequence_parallel=False")
     mapping = provider.mapping()
     selection = resolve(target_table(provider.name), mapping, config.targets, provider.name)
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -1,8 +1,10 @@
 """GPU only: attention="fast" vs "exact" on a 4096-token sequence at release attention ratios.
 
 Window 128, compress ratios 4 (CSA) and 128 (HCA), index top-k 512, as in the release configs; a
-small width so it runs in seconds. fp32: 1e-4, as the CPU parity tests. bf16 on both paths: 2e-2,
-the issue's bound.
+small width so it runs in seconds. fp32: FP32_TOLERANCE = 1e-4, as the CPU parity tests. bf16: bounded by
+bf16 itself, |fast - exact| <= BF16_MARGIN = 1.25 x |exact(bf16) - exact(fp32)| on the same input and the same
+decisions (the paths round at different places; a fast path 25% noisier than the exact path's own bf16
+rounding fails).
 
 The fast path replays the exact path's discrete decisions (indexer picks, routed experts): with
 top-512 of 1024 compressed entries and top-k routing, the rounding difference of any two kernels
@@ -30,8 +32,12 @@ RELEASE_RATIOS = dict(
 )
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_fast_matches_exact_at_release_ratios_4k(tmp_path, dtype, tolerance):
+FP32_TOLERANCE = 1e-4
+BF16_MARGIN = 1.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fast_matches_exact_at_release_ratios_4k(tmp_path, dtype):
     folder = write_tiny(tmp_path / "release-ratios", **RELEASE_RATIOS)
     ids = torch.randint(0, 250, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
     logprobs = {}
@@ -58,4 +64,5 @@ def test_fast_matches_exact_at_release_ratios_4k(tmp_path, dtype, tolerance):
     print(f"deepseek_v4 release ratios, {dtype}, 1 x 4096: fast vs exact max |logprob diff| = {difference:.3e} "
           f"(same decisions), {free_running:.3e} (free-running); exact vs fp32 {to_fp32['exact']:.3e}, "
           f"fast vs fp32 {to_fp32['fast']:.3e} (same decisions)")
+    tolerance = FP32_TOLERANCE if dtype == torch.float32 else BF16_MARGIN * to_fp32["exact"]
     assert difference <= tolerance

@@ -11,8 +11,9 @@
 `attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
 rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores.
 `attention="fast"` is `window_sink_attention` (model/window_attention.py): each block of `window` queries
-against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU; in packed
-and padded batches it runs each sequence against its own keys and entries.
+against its window keys as batched GEMMs, with every complete HCA entry or each query's own CSA picks (never a
+[S, entries] mask), the same math on CPU and GPU; in packed and padded batches it runs each sequence against its
+own keys and entries.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from modelzoo.deepseek_v4.model.layers import (
     unweighted_rms_norm,
 )
 from modelzoo.fused import fused
+from modelzoo.recompute import recomputed
 from modelzoo.sequences import TokenLayout, plain_layout
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
@@ -117,7 +119,8 @@ def normed_rotary_queries(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, layer_type: str, attention: str = "exact"):
+    def __init__(self, config, args: DeepseekV4Args, layer_type: str, attention: str = "exact",
+                 recompute_core: bool = False):
         super().__init__()
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"DeepSeek-V4: attention={attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
@@ -145,6 +148,7 @@ class DeepseekV4Attention(nn.Module):
         self.sinks = mark_tensor_parallel(fp32_param(heads // tp, fill=0.0), dim=0)
         self.rotary = RotaryTable(*args.rope_table(args.rope_kind(layer_type)))
         self.compressor = None if layer_type == SLIDING else COMPRESSORS[layer_type](config, args)
+        self.recompute_core = recompute_core  # selective recompute "core_attn"
 
     def attend_each_sequence(self, q: torch.Tensor, kv: torch.Tensor, compressed: CompressedVisibility | None,
                              layout: TokenLayout) -> torch.Tensor:
@@ -156,14 +160,41 @@ class DeepseekV4Attention(nn.Module):
         out = torch.zeros_like(q)
         for number, (row, start, length) in enumerate(layout.sequences):
             tokens = slice(start, start + length)
-            keys, visible = kv[row:row + 1, tokens], None
+            keys, picks, ratio = kv[row:row + 1, tokens], None, None
             if compressed is not None:
                 first_entry, entries = spans[number]
-                own = kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]
-                keys, visible = torch.cat([keys, own], dim=1), compressed.of_sequence(row, start, length, first_entry,
-                                                                                      entries)
+                keys = torch.cat([keys, kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]], dim=1)
+                picks, ratio = compressed.of_sequence(row, start, length, first_entry)
             out[row, tokens] = window_sink_attention(q[row:row + 1, tokens], keys, self.sinks, self.scaling,
-                                                     self.sliding_window, visible)[0]
+                                                     self.sliding_window, picks, ratio)[0]
+        return out
+
+    def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
+              position_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Compressor, indexer and attention of the queries q [B, S, h, D] over the window's K = V kv [B, 1, S, D]
+        and the compressed entries -> [B, S, h, D] (still rotated)."""
+        batch, seq_len = q.shape[:2]
+        compressed = None
+        if self.compressor is not None:
+            compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)
+            kv = torch.cat([kv, compressed_kv], dim=2)
+        # K = V is computed on every rank but read only by this rank's heads: sum its gradients
+        kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
+
+        if self.attention == "fast" and layout.plain:
+            picks, ratio = (None, None) if compressed is None else (compressed.picks, compressed.windows.ratio)
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, picks, ratio)
+        elif self.attention == "fast":
+            out = self.attend_each_sequence(q, kv[:, 0], compressed, layout)
+        else:
+            allowed = visible_keys(seq_len, self.sliding_window, layout, q.device)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+            mask = mask.expand(batch, 1, seq_len, seq_len)
+            if compressed is not None:
+                compressed_bias = torch.zeros(compressed.dense(layout).shape, dtype=q.dtype, device=q.device)
+                compressed_bias = compressed_bias.masked_fill(~compressed.dense(layout), float("-inf"))
+                mask = torch.cat([mask, compressed_bias.unsqueeze(1)], dim=-1)
+            out = eager_sink_attention(q.transpose(1, 2), kv, mask, self.sinks, self.scaling)
         return out
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
@@ -185,27 +216,7 @@ class DeepseekV4Attention(nn.Module):
         kv = self.kv_layernorm(self.linear_kv(hidden_states)).view(batch, 1, seq_len, self.head_dim)
         kv = apply_rotary(kv, cos, sin)
 
-        compressed = None
-        if self.compressor is not None:
-            compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)
-            kv = torch.cat([kv, compressed_kv], dim=2)
-        # K = V is computed on every rank but read only by this rank's heads: sum its gradients
-        kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
-
-        if self.attention == "fast" and layout.plain:
-            visible = None if compressed is None else compressed.dense(layout)
-            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
-        elif self.attention == "fast":
-            out = self.attend_each_sequence(q, kv[:, 0], compressed, layout)
-        else:
-            allowed = visible_keys(seq_len, self.sliding_window, layout, hidden_states.device)
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
-            mask = mask.expand(batch, 1, seq_len, seq_len)
-            if compressed is not None:
-                compressed_bias = torch.zeros(compressed.dense(layout).shape, dtype=q.dtype, device=q.device)
-                compressed_bias = compressed_bias.masked_fill(~compressed.dense(layout), float("-inf"))
-                mask = torch.cat([mask, compressed_bias.unsqueeze(1)], dim=-1)
-            out = eager_sink_attention(q.transpose(1, 2), kv, mask, self.sinks, self.scaling)
+        out = recomputed(self._core, self.recompute_core)(q, kv, hidden_states, q_residual, position_ids, layout)
         out = apply_rotary(out, cos, -sin, unsqueeze_dim=2)                               # [B, S, h, D]
         grouped = self.linear_o_down_proj(out.reshape(batch, seq_len, self.linear_o_down_proj.local_groups, -1))
         output, _ = self.linear_proj(grouped.flatten(2))

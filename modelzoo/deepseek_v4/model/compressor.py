@@ -115,16 +115,13 @@ class CompressedVisibility:
         picked.scatter_(-1, torch.where(self.picks >= 0, self.picks, self.windows.count), True)
         return picked[..., : self.windows.count]
 
-    def of_sequence(self, row: int, start: int, length: int, first_entry: int, entries: int) -> torch.Tensor:
-        """[1, length, entries] bool: one sequence's queries against its own entries (as that sequence alone)."""
-        device = self.windows.first_token.device
+    def of_sequence(self, row: int, start: int, length: int, first_entry: int) -> tuple[torch.Tensor | None, int]:
+        """One sequence's entries as that sequence alone sees them, in `window_sink_attention`'s terms: its picks
+        [1, length, k] renumbered from its first entry (CSA), or None and the window ratio (HCA)."""
         if self.picks is None:
-            positions = torch.arange(length, device=device)
-            return (torch.arange(entries, device=device) < ((positions + 1) // self.windows.ratio)[:, None])[None]
-        picks = self.picks[row, start:start + length] - first_entry                  # own entries: 0 .. entries - 1
-        picked = torch.zeros(length, entries + 1, dtype=torch.bool, device=device)
-        picked.scatter_(-1, torch.where(self.picks[row, start:start + length] >= 0, picks, entries), True)
-        return picked[None, :, :entries]
+            return None, self.windows.ratio
+        picks = self.picks[row:row + 1, start:start + length]
+        return torch.where(picks >= 0, picks - first_entry, -1), self.windows.ratio
 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, windows: CompressedWindows,

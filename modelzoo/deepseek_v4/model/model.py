@@ -13,6 +13,14 @@ The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). In packed r
 batch's `TokenLayout` keeps each sequence to itself: its sliding window, its own compressor windows (no
 compressed entry mixes two sequences; a last partial window makes no entry, as for a sequence's end), the
 indexer's top-k among its own entries, MTP targets shifted within it; padding tokens go to no expert.
+
+Sequence parallelism (modelzoo.sequence_parallel) splits S (dim 1 here, not Megatron's dim 0): the embedding is
+reduce-scattered to this rank's S / tp tokens, and the hyper-connection streams, their maps, the norms and the
+hyper head act on them alone (their parameters are marked `sequence_parallel`: Megatron's finalize_model_grads sums
+their gradients over TP). Attention needs the whole sequence and the MoE block runs its experts' TP shards on
+every token, as the tensor-parallel model does: each gathers its input over the TP ranks and keeps this rank's
+tokens of its (all-reduced) output; so does the output layer of the final hidden states. The batch's layout, the
+RoPE positions and the token ids always describe the whole row.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from modelzoo import gpt_call
+from modelzoo import gpt_call, sequence_parallel
 from modelzoo.cuda_graphs import LayerGraphs
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.attention import DeepseekV4Attention
@@ -31,7 +39,15 @@ from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
+from modelzoo.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.sequences import TokenLayout, plain_layout
+
+# recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
+SELECTIVE_RECOMPUTE = {
+    "core_attn": "compressor, indexer and attention over window and compressed entries",
+    "layernorm": "hyper-connection maps and the norms after them",
+    "moe": "router, routed and shared experts",
+}
 
 
 def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
@@ -39,29 +55,55 @@ def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
                            config.init_method_std)
 
 
+def per_token(module: nn.Module, config) -> nn.Module:
+    """A module that acts on each token alone: under sequence parallelism on this rank's tokens only."""
+    return sequence_parallel.mark_sequence_parallel(module, config)
+
+
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, layer_type: str, mlp_type: str, attention: str = "exact"):
+    def __init__(self, config, args: DeepseekV4Args, layer_type: str, mlp_type: str, attention: str = "exact",
+                 recompute: frozenset[str] = frozenset()):
         super().__init__()
         self.layer_type, self.mlp_type = layer_type, mlp_type
-        self.attn_hc = hyper_connection(config, args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attention = DeepseekV4Attention(config, args, layer_type, attention)
-        self.ffn_hc = hyper_connection(config, args)
-        self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = DeepseekV4MoE(config, args, mlp_type)
+        self.sequence_parallel = sequence_parallel.enabled(config)
+        whole_sequence = sequence_parallel.whole_sequence_config(config)
+        self.attn_hc = per_token(hyper_connection(config, args), config)
+        self.input_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.self_attention = DeepseekV4Attention(whole_sequence, args, layer_type, attention,
+                                                  recompute_core="core_attn" in recompute)
+        self.ffn_hc = per_token(hyper_connection(config, args), config)
+        self.pre_mlp_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.mlp = DeepseekV4MoE(whole_sequence, args, mlp_type)
+        self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
+
+    def _attention_input(self, streams: torch.Tensor):
+        post, comb, collapsed, streams = self.attn_hc(streams)
+        return post, comb, self.input_layernorm(collapsed), streams
+
+    def _mlp_input(self, streams: torch.Tensor):
+        post, comb, collapsed, streams = self.ffn_hc(streams)
+        return post, comb, self.pre_mlp_layernorm(collapsed), streams
 
     def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
                 layout: TokenLayout | None = None, unrouted: torch.Tensor | None = None) -> torch.Tensor:
-        """streams [B, S, hc_mult, hidden] -> same shape; position_ids: RoPE positions; layout None: plain rows;
-        unrouted [B, S] bool: tokens that go to no expert (padding)."""
+        """streams [B, S, hc_mult, hidden] (under sequence parallelism this rank's S / tp tokens) -> same shape;
+        position_ids [B|1, S]: RoPE positions; layout None: plain rows; unrouted [B, S] bool: tokens that go to no
+        expert (padding). position_ids, input_ids, layout and unrouted are of the whole sequence."""
         if layout is None:
-            layout = plain_layout(streams.shape[0], streams.shape[1], streams.device)
-        post, comb, collapsed, streams = self.attn_hc(streams)
-        attn_output = self.self_attention(self.input_layernorm(collapsed), position_ids, layout)
+            layout = plain_layout(streams.shape[0], position_ids.shape[1], streams.device)
+        post, comb, normed, streams = recomputed(self._attention_input, self.recompute_norms)(streams)
+        attn_output = self.on_whole_sequence(self.self_attention, normed, position_ids, layout)
         streams = hc_residual(post, comb, attn_output, streams)
-        post, comb, collapsed, streams = self.ffn_hc(streams)
-        mlp_output = self.mlp(self.pre_mlp_layernorm(collapsed), input_ids, unrouted)
+        post, comb, normed, streams = recomputed(self._mlp_input, self.recompute_norms)(streams)
+        mlp_output = self.on_whole_sequence(recomputed(self.mlp, self.recompute_mlp), normed, input_ids, unrouted)
         return hc_residual(post, comb, mlp_output, streams)
+
+    def on_whole_sequence(self, block: nn.Module, hidden: torch.Tensor, *args) -> torch.Tensor:
+        """block(hidden, *args); under sequence parallelism on the sequence gathered over the TP ranks, keeping this
+        rank's tokens of the output (whole and the same on every rank: the block's row-parallel layers all-reduce)."""
+        if not self.sequence_parallel:
+            return block(hidden, *args)
+        return sequence_parallel.split_sequence(block(sequence_parallel.gather_sequence(hidden, dim=1), *args), dim=1)
 
 
 class DeepseekV4Decoder(nn.Module):
@@ -76,15 +118,30 @@ class DeepseekV4Decoder(nn.Module):
         super().__init__()
         kinds = list(zip(args.layer_types, args.mlp_layer_types, strict=True))
         offset = get_transformer_layer_offset(config) if config.pipeline_model_parallel_size > 1 else 0
+        recompute = selective_modules(config, "DeepSeek-V4", SELECTIVE_RECOMPUTE)
         self.layers = nn.ModuleList()
         for number in range(offset, offset + get_num_layers_to_build(config)):
-            layer = DeepseekV4DecoderLayer(config, args, *kinds[number], attention)
+            layer = DeepseekV4DecoderLayer(config, args, *kinds[number], attention, recompute)
             layer.layer_number = number + 1
             self.layers.append(layer)
         if post_process:
-            self.hc_head = HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps,
-                                     config.init_method_std)
-            self.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.hc_head = per_token(HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps,
+                                               config.init_method_std), config)
+            self.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        # as Megatron's TransformerBlock: full recompute counts this stage's layers
+        self.recompute_groups = full_recompute_groups(config, len(self.layers))
+        self.recomputing = any(recompute for _, recompute in self.recompute_groups) or bool(recompute)
+
+    def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
+                layout: TokenLayout, unrouted: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers in turn; under full recompute each run of layers keeps only its input streams."""
+        for layers, recompute in self.recompute_groups:
+            def run(streams, layers=layers):
+                for index in layers:
+                    streams = self.layers[index](streams, position_ids, input_ids, layout, unrouted)
+                return streams
+            streams = recomputed(run, recompute)(streams)
+        return streams
 
 
 class DeepseekV4Model(MegatronModule):
@@ -106,6 +163,7 @@ class DeepseekV4Model(MegatronModule):
 
         self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
         self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel.enabled(config)
         num_mtp_layers = args.num_mtp_layers if build_mtp else 0
         # what finalize_model_grads reads: the embedding weight is also used on the last stage
         self.share_embeddings_and_output_weights = args.tie_word_embeddings or bool(num_mtp_layers)
@@ -113,13 +171,15 @@ class DeepseekV4Model(MegatronModule):
         if pre_process or (post_process and self.share_embeddings_and_output_weights):
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(
-                padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config)
+                padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
+                reduce_scatter_embeddings=self.sequence_parallel)
         self.decoder = DeepseekV4Decoder(config, args, attention, post_process)
         if post_process:
             # tied: no weight of its own, the embedding matrix is handed to it (as GPTModel does)
             self.output_layer = ColumnParallelLinear(
-                args.hidden_size, padded_vocab_size, config=config, init_method=config.init_method, bias=False,
-                gather_output=False, skip_weight_param_allocation=args.tie_word_embeddings)
+                args.hidden_size, padded_vocab_size, config=sequence_parallel.whole_sequence_config(config),
+                init_method=config.init_method, bias=False, gather_output=False,
+                skip_weight_param_allocation=args.tie_word_embeddings)
             self.mtp = DeepseekV4MTP(config, args, attention, num_mtp_layers)
         if args.tie_word_embeddings and pre_process and post_process:
             # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
@@ -170,6 +230,9 @@ class DeepseekV4Model(MegatronModule):
         """
         from megatron.core import parallel_state
 
+        if self.decoder.recomputing:
+            raise ValueError("DeepSeek-V4 CUDA graphs: a captured layer keeps its activations in the graph's pool; "
+                             "capture without activation recompute (recompute_granularity None)")
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             raise ValueError("DeepSeek-V4 CUDA graphs: expert parallelism sizes the expert groups on the host "
                              "each forward; capture with expert_model_parallel_size 1")
@@ -236,7 +299,10 @@ class DeepseekV4Model(MegatronModule):
         return result
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding.word_embeddings(input_ids)
+        """[B, S] token ids -> [B, S, hidden], under sequence parallelism this rank's [B, S / tp, hidden]."""
+        embeddings = self.embedding.word_embeddings(input_ids)
+        # reduce-scattered over the TP ranks along Megatron's sequence dim, [S / tp, B, hidden]
+        return embeddings.transpose(0, 1) if self.sequence_parallel else embeddings
 
     def input_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's residual streams: the embeddings copied into hc_mult streams [B, S, N, H]."""
@@ -244,7 +310,10 @@ class DeepseekV4Model(MegatronModule):
 
     def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm) -> torch.Tensor:
         weight = self.embedding.word_embeddings.weight if self.args.tie_word_embeddings else None
-        logits, _ = self.output_layer(final_layernorm(hc_head(streams)), weight=weight)
+        hidden = final_layernorm(hc_head(streams))
+        if self.sequence_parallel:
+            hidden = sequence_parallel.gather_sequence(hidden, dim=1)
+        logits, _ = self.output_layer(hidden, weight=weight)
         return logits
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -282,7 +351,7 @@ class DeepseekV4Model(MegatronModule):
         position_ids = self.default_position_ids(input_ids) if layout.plain else layout.rope_positions
         if not self.pre_process:
             streams = self.stage_input(self.input_tensor)
-        elif decoder_input is not None:  # [s, b, hidden], Megatron's layout
+        elif decoder_input is not None:  # [s, b, hidden], Megatron's layout (this rank's s / tp under sequence parallel)
             embeddings = decoder_input.transpose(0, 1)
             streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
@@ -292,8 +361,7 @@ class DeepseekV4Model(MegatronModule):
                 and not deciding(self):
             streams = graphs(streams, position_ids, input_ids)
         else:
-            for layer in self.decoder.layers:
-                streams = layer(streams, position_ids, input_ids, layout, unrouted)
+            streams = self.decoder(streams, position_ids, input_ids, layout, unrouted)
         if not self.post_process:
             return self.stage_output(streams)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
@@ -315,7 +383,7 @@ class DeepseekV4Model(MegatronModule):
     def token_layout(self, input_ids, decoder_input, position_ids, attention_mask, packed_seq_params) -> TokenLayout:
         """The batch's layout; a general attention mask cannot say where DeepSeek-V4's compressor windows start."""
         layout = gpt_call.input_layout("DeepSeek-V4", input_ids, decoder_input, position_ids, attention_mask,
-                                       packed_seq_params, self.args.max_position_embeddings)
+                                       packed_seq_params, self.args.max_position_embeddings, self.config)
         if not layout.plain and not layout.contiguous():
             raise ValueError("DeepSeek-V4: compressed attention pools windows of each sequence's consecutive tokens; "
                              "this attention_mask is not a padding mask of one run of tokens per row: pass a "

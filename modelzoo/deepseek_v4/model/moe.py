@@ -116,53 +116,45 @@ class Router(Decider):
         return indices.long().view(seq, batch, -1).transpose(0, 1).reshape(batch * seq, -1)
 
 
-# --- expert-parallel collectives (CPU/gloo-safe: gloo has no reduce-scatter) ----------------------
-def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    if dist.get_backend(group) == "nccl":
-        out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+# --- token exchange between ranks -------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits along dim 0; the backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits: list[int], input_splits: list[int]):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
-    total = x.clone().contiguous()
-    dist.all_reduce(total, group=group)
-    return total.chunk(world)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Rows input_splits[r] of x go to rank r; rows output_splits[r] of the result come from rank r."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)
+
+
+def all_gather_rows(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """The ranks' x (sizes[r] rows on rank r) concatenated in rank order; the backward sums every rank's
+    gradient of this rank's rows (a reduce-scatter). Through all_to_all_single, which gloo has for any sizes."""
+    world = len(sizes)
+    return all_to_all(x.repeat(world, *(1,) * (x.dim() - 1)), group, sizes, [x.shape[0]] * world)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """x [sum(sizes), ...] on every rank -> this rank's rows (sizes[rank] of them) summed over the ranks."""
+    world, rank = len(sizes), dist.get_rank(group)
+    return all_to_all(x, group, [sizes[rank]] * world, sizes).view(world, sizes[rank], *x.shape[1:]).sum(dim=0)
 
 
 def _all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(world)]
+    """Plain all-gather of equal-sized tensors (no autograd): counts."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)
-
-
-class _GatherTokens(torch.autograd.Function):
-    """forward: all-gather along dim 0 over `group`; backward: reduce-scatter (sum of every rank's use)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first_dim(grad, ctx.group), None
-
-
-class _ScatterTokens(torch.autograd.Function):
-    """forward: reduce-scatter along dim 0 over `group`; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_first_dim(grad, ctx.group), None
 
 
 def _mark_expert_param(param: nn.Parameter, tp_dim: int) -> nn.Parameter:
@@ -177,6 +169,9 @@ def _mark_expert_param(param: nn.Parameter, tp_dim: int) -> nn.Parameter:
     return param
 
 
+DISPATCHERS = ("alltoall", "allgather")
+
+
 class RoutedExperts(nn.Module):
     """This rank's experts, stacked: w1/w3 [E_local, I_local, hidden], w2 [E_local, hidden, I_local]."""
 
@@ -184,13 +179,28 @@ class RoutedExperts(nn.Module):
         super().__init__()
         ep = parallel_state.get_expert_model_parallel_world_size()
         etp = parallel_state.get_expert_tensor_parallel_world_size()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
         if args.num_experts % ep or args.moe_intermediate_size % etp:
             raise ValueError(f"DeepSeek-V4: expert parallel size {ep} must divide n_routed_experts "
                              f"({args.num_experts}) and expert tensor parallel size {etp} must divide "
                              f"moe_intermediate_size ({args.moe_intermediate_size})")
+        if tp > 1 and etp != tp:
+            raise ValueError(f"DeepSeek-V4: expert tensor parallel size {etp} must equal the tensor parallel size "
+                             f"({tp}) when that is above 1 (any size with tensor parallel size 1): the tensor-parallel "
+                             f"ranks hold the same tokens, which expert ranks outside their group would count twice")
+        if config.moe_token_dispatcher_type not in DISPATCHERS:
+            raise ValueError(f"DeepSeek-V4: moe_token_dispatcher_type {config.moe_token_dispatcher_type!r} is not "
+                             f"one of {DISPATCHERS}")
+        self.dispatcher = config.moe_token_dispatcher_type
         self.num_experts, self.limit = args.num_experts, args.swiglu_limit
         self.num_local = args.num_experts // ep
-        self.first_expert = parallel_state.get_expert_model_parallel_rank() * self.num_local
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.first_expert = self.ep_rank * self.num_local
+        # Expert-TP ranks inside the TP group hold the same tokens: each computes its slice of every expert
+        # for them and an all-reduce sums the slices. Otherwise (tensor parallel size 1) they hold different
+        # tokens, which travel between them as between EP ranks (Megatron's layout).
+        self.etp_holds_same_tokens = etp == tp
+        self.exchanges_tokens = ep > 1 or not self.etp_holds_same_tokens
         inter, hidden, dtype = args.moe_intermediate_size // etp, args.hidden_size, config.params_dtype
         self.weight1 = _mark_expert_param(nn.Parameter(torch.empty(self.num_local, inter, hidden, dtype=dtype)), 1)
         self.weight3 = _mark_expert_param(nn.Parameter(torch.empty(self.num_local, inter, hidden, dtype=dtype)), 1)
@@ -199,45 +209,114 @@ class RoutedExperts(nn.Module):
             init_sharded(weight, config.init_method, "expert-parallel-rng")
 
     def forward(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """tokens [N, hidden], indices/weights [N, k] of this rank -> routed output [N, hidden]."""
-        ep_group = parallel_state.get_expert_model_parallel_group()
+        """tokens [N, hidden], indices/weights [N, k] of this rank (id -1: routed nowhere) -> routed output [N, hidden]."""
         etp_group = parallel_state.get_expert_tensor_parallel_group()
-        # each expert-TP rank computes a slice of every expert: sum the input gradients over them
-        tokens = tensor_parallel.copy_to_tensor_model_parallel_region(tokens, group=etp_group)
-        weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=etp_group)
+        if self.etp_holds_same_tokens:  # each expert-TP rank computes a slice of every expert: sum the input gradients
+            tokens = tensor_parallel.copy_to_tensor_model_parallel_region(tokens, group=etp_group)
+            weights = tensor_parallel.copy_to_tensor_model_parallel_region(weights, group=etp_group)
+        if not self.exchanges_tokens:  # EP 1: the expert ids are this rank's
+            out = self.weighted_experts(tokens, indices, weights, exact_capacity=False)
+        elif self.dispatcher == "alltoall":
+            out = self.all_to_all_dispatch(tokens, indices, weights)
+        else:
+            out = self.all_gather_dispatch(tokens, indices, weights)
+        if self.etp_holds_same_tokens:
+            out = tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=etp_group)
+        return out
 
-        count, expert_parallel = tokens.shape[0], dist.get_world_size(ep_group) > 1
-        if expert_parallel:
-            counts = _all_gather_first_dim(torch.tensor([count], device=tokens.device), ep_group)
-            padding = int(counts.max()) - count
-            if padding:  # uneven token counts across EP ranks: pad with tokens routed nowhere
-                tokens = F.pad(tokens, (0, 0, 0, padding))
-                weights = F.pad(weights, (0, 0, 0, padding))
-                indices = F.pad(indices, (0, 0, 0, padding), value=-1)
-        all_tokens = _GatherTokens.apply(tokens, ep_group)
-        all_weights = _GatherTokens.apply(weights, ep_group)
-        all_indices = _all_gather_first_dim(indices, ep_group)
+    def all_gather_dispatch(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Megatron's "allgather": every rank gathers all the tokens of the ranks that hold different ones, runs its
+        experts (its slice of them) over those routed to them, and a reduce-scatter sums the outputs of all ranks and
+        hands each its own tokens. Communication: (ranks x tokens) rows each way."""
+        group = self.token_group()
+        sizes = _all_gather_first_dim(torch.tensor([tokens.shape[0]], device=tokens.device), group).tolist()
+        all_tokens = all_gather_rows(tokens, group, sizes)
+        all_weights = all_gather_rows(weights, group, sizes)
+        all_indices = all_gather_rows(indices, group, sizes)
+        out = self.weighted_experts(all_tokens, all_indices - self.first_expert, all_weights, exact_capacity=True)
+        return reduce_scatter_rows(out, group, sizes)
 
-        local = all_indices - self.first_expert
-        mine = (local >= 0) & (local < self.num_local)
-        rows, slot_rows, row_slots, group_ends = _dispatch_plan(torch.where(mine, local, self.num_local),
-                                                                self.num_local, exact_capacity=expert_parallel)
-        capacity = rows.numel()
-        # row `len(all_tokens)`: the zero padding row, read by no slot
-        token_readers = F.pad(slot_rows, (0, 0, 0, 1), value=capacity)
-        expert_input = gather_rows(F.pad(all_tokens, (0, 0, 0, 1)), rows, token_readers)
+    def all_to_all_dispatch(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Megatron's "alltoall": each (token, slot) travels only to the EP rank holding its expert (padding slots
+        nowhere), then, with expert tensor parallelism over ranks holding different tokens, is all-gathered over the
+        expert-TP group; the outputs return the reverse way (reduce-scatter, all-to-all) and are combined here with
+        the routing weights, which never travel. Communication: (top-k x tokens) rows each way."""
+        num_tokens, top_k = indices.shape
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        ep = dist.get_world_size(ep_group)
+        # slots sorted by expert, hence by EP rank; padding (id -1) sorts last and is not sent
+        experts = indices.reshape(-1)
+        order = torch.argsort(torch.where(experts >= 0, experts, self.num_experts), stable=True)
+        sorted_experts = experts[order]
+        ends = torch.searchsorted(torch.where(sorted_experts >= 0, sorted_experts, self.num_experts),
+                                  torch.arange(1, self.num_experts + 1, device=experts.device))
+        slots_per_expert = torch.diff(ends, prepend=ends.new_zeros(1))
+        # [source EP rank, source expert-TP rank, expert]: how many slots each rank sends to each expert (the one
+        # host synchronisation; Megatron's group order is EP-major, expert-TP-minor)
+        etp_senders = 1 if self.etp_holds_same_tokens else parallel_state.get_expert_tensor_parallel_world_size()
+        etp_rank = 0 if self.etp_holds_same_tokens else parallel_state.get_expert_tensor_parallel_rank()
+        table = _all_gather_first_dim(slots_per_expert.unsqueeze(0), self.token_group()).view(
+            ep, etp_senders, self.num_experts).cpu()
+        send_splits = table[self.ep_rank, etp_rank].view(ep, self.num_local).sum(dim=1).tolist()
+        to_me = table[:, :, self.first_expert:self.first_expert + self.num_local]   # [ep, etp_senders, local]
+        receive_splits = to_me[:, etp_rank].sum(dim=1).tolist()
+
+        sent = sum(send_splits)
+        send_slots = order[:sent]
+        # the send-buffer row of each slot (`sent` for padding): the rows that read each token, for the backward
+        slot_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        slot_rows = slot_rows.clamp(max=sent).view(num_tokens, top_k)
+        received = all_to_all(gather_rows(tokens, send_slots // top_k, slot_rows), ep_group, receive_splits,
+                              send_splits)
+        if not self.etp_holds_same_tokens:
+            etp_sizes = to_me.sum(dim=(0, 2)).tolist()
+            received = all_gather_rows(received, parallel_state.get_expert_tensor_parallel_group(), etp_sizes)
+        # rows arrive by (expert-TP rank, EP rank, local expert): their local expert ids follow from the table
+        local_experts = torch.arange(self.num_local, device=tokens.device).repeat(ep * etp_senders)
+        local_experts = local_experts.repeat_interleave(to_me.transpose(0, 1).reshape(-1).to(tokens.device),
+                                                        output_size=received.shape[0])
+        expert_output, row_of, slot_of_row = self.grouped_experts(received, local_experts.unsqueeze(1),
+                                                                  exact_capacity=False)
+        out = gather_rows(expert_output, row_of.view(-1), slot_of_row.unsqueeze(1))   # back to arrival order
+        if not self.etp_holds_same_tokens:
+            out = reduce_scatter_rows(out, parallel_state.get_expert_tensor_parallel_group(), etp_sizes)
+        returned = all_to_all(out, ep_group, send_splits, receive_splits)
+        # row `sent`: a zero row for the padding slots (weight 0), which hold no row
+        return combine_slots(F.pad(returned, (0, 0, 0, 1)), weights.to(returned.dtype), slot_rows,
+                             F.pad(send_slots, (0, 1), value=experts.numel()))
+
+    def token_group(self):
+        """The ranks whose tokens differ and are exchanged: the EP group, times the expert-TP group when that holds
+        different tokens too."""
+        if self.etp_holds_same_tokens:
+            return parallel_state.get_expert_model_parallel_group()
+        return parallel_state.get_expert_tensor_and_model_parallel_group()
+
+    def weighted_experts(self, tokens: torch.Tensor, local_experts: torch.Tensor, weights: torch.Tensor,
+                         exact_capacity: bool) -> torch.Tensor:
+        """sum_k weights * expert(tokens) over the slots whose local expert id [T, k] is one of this rank's; other
+        slots (another rank's experts, padding) weigh 0."""
+        mine = (local_experts >= 0) & (local_experts < self.num_local)
+        expert_output, slot_rows, row_slots = self.grouped_experts(
+            tokens, torch.where(mine, local_experts, self.num_local), exact_capacity)
+        # a foreign slot reads any row (its weight is 0, so it takes no gradient either)
+        slot_weights = torch.where(mine, weights, 0).to(expert_output.dtype)
+        return combine_slots(expert_output, slot_weights, slot_rows.clamp(max=expert_output.shape[0] - 1), row_slots)
+
+    def grouped_experts(self, tokens: torch.Tensor, local_experts: torch.Tensor, exact_capacity: bool):
+        """Each slot's expert applied to its token, one grouped GEMM per weight.
+
+        local_experts [T, k]: this rank's expert of each slot, `num_local` for none. Returns expert_output [R, hidden],
+        slot_rows [T, k] (the output row of each slot, R for none) and row_slots [R] (the slot each row holds, T*k
+        for the padding rows of the groups); see `_dispatch_plan`.
+        """
+        rows, slot_rows, row_slots, group_ends = _dispatch_plan(local_experts, self.num_local, exact_capacity)
+        # row `len(tokens)`: the zero padding row, read by no slot
+        token_readers = F.pad(slot_rows, (0, 0, 0, 1), value=rows.numel())
+        expert_input = gather_rows(F.pad(tokens, (0, 0, 0, 1)), rows, token_readers)
         gate = grouped_linear(expert_input, self.weight1, group_ends)
         up = grouped_linear(expert_input, self.weight3, group_ends)
-        expert_output = grouped_linear(clamped_swiglu(gate, up, self.limit), self.weight2, group_ends)
-        # combine: each token's k slots, weighted (slots routed to another EP rank weigh 0), summed;
-        # a foreign slot reads any row (its weight is 0, so it takes no gradient either)
-        slot_weights = torch.where(mine, all_weights, 0).to(expert_output.dtype)
-        out = combine_slots(expert_output, slot_weights, slot_rows.clamp(max=capacity - 1), row_slots)
-
-        out = _ScatterTokens.apply(out, ep_group)[:count]
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(out, group=etp_group)
-
-
+        return grouped_linear(clamped_swiglu(gate, up, self.limit), self.weight2, group_ends), slot_rows, row_slots
 # Rows of each expert's group are padded to a multiple of this: the bf16 grouped GEMM's weight
 # gradient contracts over the rows of a group and needs each group's offset 16-byte aligned (a
 # multiple of 8 bf16 rows); 16 rows covers that with room.

@@ -44,16 +44,17 @@ def shift_left(input_ids: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
 class DeepseekV4MTPLayer(nn.Module):
     def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
         super().__init__()
-        from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer
+        from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer, per_token
 
         hidden = args.hidden_size
-        self.enorm = RMSNorm(hidden, args.rms_norm_eps)
-        self.hnorm = RMSNorm(hidden, args.rms_norm_eps)
-        self.e_proj = ReplicatedLinear(hidden, hidden, config)
-        self.h_proj = ReplicatedLinear(hidden, hidden, config)
+        self.enorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
+        self.hnorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
+        self.e_proj = per_token(ReplicatedLinear(hidden, hidden, config), config)
+        self.h_proj = per_token(ReplicatedLinear(hidden, hidden, config), config)
         self.block = DeepseekV4DecoderLayer(config, args, args.mtp_layer_type, args.mtp_mlp_type, attention)
-        self.hc_head = HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps, config.init_method_std)
-        self.final_layernorm = RMSNorm(hidden, args.rms_norm_eps)
+        self.hc_head = per_token(HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps,
+                                           config.init_method_std), config)
+        self.final_layernorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
 
     @property
     def mtp_model_layer(self) -> nn.Module:

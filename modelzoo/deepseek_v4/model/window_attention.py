@@ -1,20 +1,24 @@
 """DeepSeek-V4's sink attention as dense blocks of batched GEMMs (`attention="fast"`).
 
-Every query sees at most `window` keys of the sliding window plus C compressed entries (CSA: the
-indexer's top-k of S / 4; HCA: the S / 128 complete windows; sliding layers: none), and all query
-heads read one shared K = V head. So the work is small dense blocks, not a sparse pattern: the W
-queries of block i against their keys
+Every query sees at most `window` keys of the sliding window plus some compressed entries: on CSA layers the
+indexer's top-k picks (k of S / 4), on HCA layers every complete window before it (S / 128), on sliding layers
+none. All query heads read one shared K = V head, so the heads fold into the GEMMs' rows:
 
-    [keys of blocks i-1 and i (2W) ; the C compressed entries]        masked per query
+    window keys    the W queries of block i against the keys of blocks i-1 and i (2W): per block one
+                   [W * heads, D] x [D, 2W] product, which cuBLAS runs near its peak at V4's head_dim 512
+                   (flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to
+                   their backward);
+    HCA entries    the C entries are shared by every query, so they join each block's keys ([D, 2W + C]),
+                   masked per query by the rule "entry c is complete", c < (t + 1) // ratio;
+    CSA picks      each query's own k entries, gathered ([k, D] per query): one [heads, D] x [D, k] product per
+                   query. Work and memory are O(S x k), never O(S x S / ratio): nothing is computed for the
+                   entries a query did not pick.
 
-and because the K = V head is shared, the heads fold into the GEMMs' rows: per block one
-[W * heads, D] x [D, 2W + C] product, which cuBLAS runs near its peak at V4's head_dim 512
-(flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to their backward).
-
-Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32;
-probabilities are rounded to the input dtype only to multiply the values, as flash kernels do. Like
-them the backward recomputes the scores from the saved log-sum-exp instead of saving probabilities,
-and queries run in chunks of blocks so the transient scores stay under `SCORE_BUDGET` elements.
+Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32 over the
+window keys, the entries and the sink together; probabilities are rounded to the input dtype only to multiply
+the values, as flash kernels do. Like them the backward recomputes the scores from the saved log-sum-exp instead
+of saving probabilities, and queries run in chunks of blocks so the transient scores and gathered entries stay
+under `SCORE_BUDGET` elements.
 
 The sink is one more logit per head that takes probability mass and adds no value:
 softmax([s, sink]) . v, and d(sink) = -sum over queries of p_sink * (dO . O).
@@ -66,11 +70,13 @@ def _score_gradients(scores, visible, lse, value_grads, delta, scale: float, dty
 class _Chunk:
     """Query blocks [first, last) of one call: their query rows, keys and mask.
 
-    q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so
-    that block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None.
+    q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so that
+    block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None. The chunk's keys are
+    `keys` [B * n, 2W (+ C), D] shared by a block's queries, then, with `picks` [B, S, k], each query's own
+    `picked_keys` [B * n * W, k, D]; scores and probabilities run over both, in that order.
     """
 
-    def __init__(self, q, kv, compressed, compressed_visible, window, first, last):
+    def __init__(self, q, kv, compressed, picks, ratio, window, first, last):
         batch, _, heads, dim = q.shape
         self.batch, self.heads, self.blocks, self.window = batch, heads, last - first, window
         self.rows_slice = slice(first * window, last * window)
@@ -79,64 +85,109 @@ class _Chunk:
         query = torch.arange(first * window, last * window, device=q.device).view(-1, window, 1)
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
         visible = (in_window(query, key, window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
-        if compressed is not None:
+        if compressed is not None and picks is None:  # HCA: every complete window
             blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
-            compressed_visible = compressed_visible[:, self.rows_slice].view(-1, self.blocks, window, 1,
-                                                                              compressed.shape[1])
-            visible = torch.cat([visible.expand(compressed_visible.shape[0], -1, -1, -1, -1), compressed_visible], -1)
-        self.keys = blocks.reshape(batch * self.blocks, -1, dim)                           # [B * n, 2W + C, D]
+            complete = torch.arange(compressed.shape[1], device=q.device) < (query + 1) // ratio
+            visible = torch.cat([visible, complete.view(1, self.blocks, window, 1, -1)], -1)
+        self.keys = blocks.reshape(batch * self.blocks, -1, dim)                           # [B * n, 2W (+ C), D]
+        self.shared_keys = self.keys.shape[1]
+        self.picks = None
+        if picks is not None:  # CSA: each query's top-k entries
+            self.picks = picks[:, self.rows_slice].clamp(min=0)                            # [B, n * W, k]
+            batch_index = torch.arange(batch, device=q.device)[:, None, None]
+            self.picked_keys = compressed[batch_index, self.picks].flatten(0, 1)            # [B * n * W, k, D]
+            picked = (picks[:, self.rows_slice] >= 0).view(batch, self.blocks, window, 1, -1)
+            visible = torch.cat([visible.expand(batch, -1, -1, -1, -1), picked], -1)
         self.visible = visible
 
     def rows(self, tensor):
         """[B, S, h, D] -> this chunk's [B * n, W * h, D] (heads folded into the rows)."""
         return tensor[:, self.rows_slice].reshape(self.batch * self.blocks, self.window * self.heads, -1)
 
+    def per_token(self, tensor):
+        """[B, S, h, D] -> this chunk's [B * n * W, h, D] (one row block per query)."""
+        return tensor[:, self.rows_slice].reshape(-1, self.heads, tensor.shape[-1])
+
     def per_query(self, tensor):
         """[B, S, h] -> this chunk's [B, n, W, h]."""
         return tensor[:, self.rows_slice].view(self.batch, self.blocks, self.window, self.heads)
 
     def blocked(self, tensor):
-        """[B * n, W * h, ...] -> [B, n, W, h, ...]."""
+        """[B * n, W * h, ...] or [B * n * W, h, ...] -> [B, n, W, h, ...]."""
         return tensor.view(self.batch, self.blocks, self.window, self.heads, *tensor.shape[2:])
 
-    def scores(self):
-        return self.blocked(matmul_fp32(self.q_rows, self.keys.transpose(1, 2)))
+    def products(self, q, per_token_q):
+        """q [B * n, W * h, D] and the same rows per query [B * n * W, h, D] against every key -> fp32 [B, n, W, h, keys]."""
+        shared = self.blocked(matmul_fp32(q, self.keys.transpose(1, 2)))
+        if self.picks is None:
+            return shared
+        return torch.cat([shared, self.blocked(matmul_fp32(per_token_q, self.picked_keys.transpose(1, 2)))], -1)
 
-    def add_key_grads(self, kv_grad, compressed_grad, keys_grad):
-        """keys_grad [B * n, 2W + C, D]: overlap-add the window halves into kv's rows, sum the compressed over blocks."""
-        window = self.window
-        keys_grad = keys_grad.view(self.batch, self.blocks, -1, keys_grad.shape[-1])
+    def scores(self, q):
+        return self.products(self.rows(q), self.per_token(q))
+
+    def weighted_keys(self, weights):
+        """weights [B, n, W, h, keys] (in the keys' dtype) -> sum over keys of weight x key: [B, n * W, h, D]."""
+        shared = weights[..., :self.shared_keys].flatten(0, 1).flatten(1, 2)
+        out = self.blocked(torch.bmm(shared, self.keys))
+        if self.picks is not None:
+            picked = weights[..., self.shared_keys:].flatten(0, 2)
+            out = out + self.blocked(torch.bmm(picked, self.picked_keys))
+        return out.flatten(1, 2)
+
+    def add_key_grads(self, kv_grad, compressed_grad, dscores, probs, q, out_grad):
+        """Each key's gradient, dscores^T . q + probs^T . dO: the window halves overlap-added into kv's rows, the
+        shared entries summed over blocks, the picked entries added to the entries they were gathered from."""
+        window, shared = self.window, self.shared_keys
+
+        def key_grads(weights, rows):
+            return matmul_fp32(weights.transpose(1, 2), rows)
+
+        shared_grad = (key_grads(dscores[..., :shared].flatten(0, 1).flatten(1, 2), self.rows(q))
+                       + key_grads(probs[..., :shared].flatten(0, 1).flatten(1, 2), self.rows(out_grad)))
+        shared_grad = shared_grad.view(self.batch, self.blocks, -1, shared_grad.shape[-1])
         start, stop = self.rows_slice.start, self.rows_slice.stop
-        kv_grad[:, start:stop] += keys_grad[:, :, :window].flatten(1, 2)
-        kv_grad[:, start + window:stop + window] += keys_grad[:, :, window:2 * window].flatten(1, 2)
-        if compressed_grad is not None:
-            compressed_grad += keys_grad[:, :, 2 * window:].sum(1)
+        kv_grad[:, start:stop] += shared_grad[:, :, :window].flatten(1, 2)
+        kv_grad[:, start + window:stop + window] += shared_grad[:, :, window:2 * window].flatten(1, 2)
+        if self.picks is None:
+            if compressed_grad is not None:
+                compressed_grad += shared_grad[:, :, 2 * window:].sum(1)
+            return
+        picked_grad = (key_grads(dscores[..., shared:].flatten(0, 2), self.per_token(q))
+                       + key_grads(probs[..., shared:].flatten(0, 2), self.per_token(out_grad)))  # [B * n * W, k, D]
+        entries = compressed_grad.shape[1]
+        flat_picks = self.picks + entries * torch.arange(self.batch, device=self.picks.device)[:, None, None]
+        # an unpicked slot (-1, gathered as entry 0) has probability 0 and score gradient 0: it adds zeros
+        compressed_grad.view(-1, compressed_grad.shape[-1]).index_add_(0, flat_picks.flatten(), picked_grad.flatten(0, 1))
 
 
-def _chunks(q, kv, compressed, compressed_visible, window):
+def _chunks(q, kv, compressed, picks, ratio, window):
     blocks = q.shape[1] // window
-    keys = 2 * window + (0 if compressed is None else compressed.shape[1])
-    per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * window * q.shape[2] * keys))
+    keys = 2 * window + (0 if compressed is None else picks.shape[-1] if picks is not None else compressed.shape[1])
+    per_block = window * q.shape[2] * keys                      # scores
+    if picks is not None:
+        per_block += window * picks.shape[-1] * q.shape[-1]     # each query's gathered entries
+    per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * per_block))
     for first in range(0, blocks, per_chunk):
-        yield _Chunk(q, kv, compressed, compressed_visible, window, first, min(first + per_chunk, blocks))
+        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks))
 
 
 class _WindowSinkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, compressed, compressed_visible, sinks, scale, window):
+    def forward(ctx, q, kv, compressed, picks, sinks, scale, window, ratio):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, window):
-            probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
-            out[:, chunk.rows_slice] = chunk.blocked(torch.bmm(probs.flatten(0, 1).flatten(1, 2), chunk.keys)).flatten(1, 2)
+        for chunk in _chunks(q, kv, compressed, picks, ratio, window):
+            probs, lse_chunk = _probabilities(chunk.scores(q), chunk.visible, sinks, scale, q.dtype)
+            out[:, chunk.rows_slice] = chunk.weighted_keys(probs)
             lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
-        ctx.save_for_backward(q, kv, compressed, compressed_visible, sinks, out, lse)
-        ctx.scale, ctx.window = scale, window
+        ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
+        ctx.scale, ctx.window, ctx.ratio = scale, window, ratio
         return out
 
     @staticmethod
     def backward(ctx, out_grad):
-        q, kv, compressed, compressed_visible, sinks, out, lse = ctx.saved_tensors
+        q, kv, compressed, picks, sinks, out, lse = ctx.saved_tensors
         scale, dtype = ctx.scale, q.dtype
         out_grad = out_grad.contiguous()
         q_grad = torch.empty_like(q)
@@ -144,37 +195,39 @@ class _WindowSinkAttention(torch.autograd.Function):
         compressed_grad = None if compressed is None else torch.zeros(
             compressed.shape, dtype=torch.float32, device=q.device)
         sinks_grad = torch.zeros_like(sinks, dtype=torch.float32)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, ctx.window):
+        for chunk in _chunks(q, kv, compressed, picks, ctx.ratio, ctx.window):
             lse_chunk = chunk.per_query(lse)
-            rows_grad = chunk.rows(out_grad)
-            delta, sinks_grad_chunk = _output_terms(rows_grad, chunk.rows(out), lse_chunk, sinks)
+            delta, sinks_grad_chunk = _output_terms(chunk.rows(out_grad), chunk.rows(out), lse_chunk, sinks)
             sinks_grad += sinks_grad_chunk
-            value_grads = chunk.blocked(matmul_fp32(rows_grad, chunk.keys.transpose(1, 2)))
-            dscores, probs = _score_gradients(chunk.scores(), chunk.visible, lse_chunk, value_grads, delta, scale, dtype)
-            dscores, probs = dscores.flatten(0, 1).flatten(1, 2), probs.flatten(0, 1).flatten(1, 2)
-            q_grad[:, chunk.rows_slice] = chunk.blocked(torch.bmm(dscores, chunk.keys)).flatten(1, 2)
-            keys_grad = matmul_fp32(dscores.transpose(1, 2), chunk.q_rows) + matmul_fp32(probs.transpose(1, 2), rows_grad)
-            chunk.add_key_grads(kv_grad, compressed_grad, keys_grad)
+            value_grads = chunk.products(chunk.rows(out_grad), chunk.per_token(out_grad))
+            dscores, probs = _score_gradients(chunk.scores(q), chunk.visible, lse_chunk, value_grads, delta, scale, dtype)
+            q_grad[:, chunk.rows_slice] = chunk.weighted_keys(dscores)
+            chunk.add_key_grads(kv_grad, compressed_grad, dscores, probs, q, out_grad)
         compressed_grad = None if compressed is None else compressed_grad.to(compressed.dtype)
-        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None
+        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None, None
 
 
 def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
-                          compressed_visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Sink attention of q [B, S, h, D] over kv [B, S + C, D] (K = V) -> [B, S, h, D].
+                          picks: torch.Tensor | None = None, ratio: int | None = None) -> torch.Tensor:
+    """Sink attention of q [B, S, h, D] over kv [B, S + C, D] (K = V) -> [B, S, h, D], token t at position t.
 
-    Query t sees window keys t - window < s <= t and the compressed entries c (kv row S + c) where
-    `compressed_visible` [B or 1, S, C] is True. The same result as `eager_sink_attention`.
+    Query t sees the window keys t - window < s <= t and, of the C compressed entries (kv rows S + c), those in
+    `picks` [B, S, k] (entry ids, -1 for none; CSA) or, without picks, the complete windows c < (t + 1) // ratio
+    (HCA). The same result as `eager_sink_attention` with that mask.
     """
     seq_len = q.shape[1]
     pad = -seq_len % window
     compressed = None
     if kv.shape[1] > seq_len:
         compressed = kv[:, seq_len:]
-        if pad:
-            compressed_visible = torch.nn.functional.pad(compressed_visible, (0, 0, 0, pad))
+        if picks is None and ratio is None:
+            raise ValueError("window_sink_attention: compressed entries need the query's picks or the window ratio")
+    if picks is not None and (compressed is None or picks.shape[-1] == 0):
+        compressed, picks = None, None   # nothing was picked: a sequence shorter than one compressed window
+    if picks is not None and pad:
+        picks = torch.nn.functional.pad(picks, (0, 0, 0, pad), value=-1)
     if pad:  # padded queries are zeros whose outputs are dropped; padded keys follow every real query
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
     window_kv = torch.nn.functional.pad(kv[:, :seq_len], (0, 0, window, pad))               # [B, W + S', D]
-    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, compressed_visible, sinks, scale, window)
+    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, picks, sinks, scale, window, ratio)
     return out[:, :seq_len]

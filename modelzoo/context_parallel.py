@@ -1,0 +1,123 @@
+"""Context parallelism: the tokens of each row spread over the ranks of Megatron's context-parallel (CP) group.
+
+Megatron's layout (`megatron.core.utils.get_batch_on_this_cp_rank`), which a trainer that splits its batch for CP
+hands over: each sequence is cut into 2 x CP equal chunks and rank r holds chunks r and 2 x CP - 1 - r, so that
+every rank has as much causal attention to compute. Plain rows [b, s] are cut as one sequence each; in a packed
+(THD) row each sequence's slot (`cu_seqlens_q_padded`, a multiple of 2 x CP) is cut on its own, and the
+`packed_seq_params` a rank receives still describe the whole row.
+
+    local_ids = split_for_rank(input_ids, packed_seq_params)      # also labels, loss_mask, position_ids
+    loss = model(local_ids, local_position_ids, None, labels=local_labels, packed_seq_params=packed_seq_params)
+    whole = gather_from_ranks(per_token_values, packed_seq_params)  # [b, s, ...] in row order, on every rank
+
+A model attends with this rank's queries over the keys and values of every rank (`gather_keys_values`: an
+all-gather forward, a reduce-scatter of their gradients backward), masked by the batch's `TokenLayout`, whose
+`keys` describe every rank's tokens. Memory for keys and values is O(s) per rank; logits and the per-token loss
+stay with the rank's own tokens. Parameter gradients are each rank's share: they are summed over the data-parallel
+group with context parallelism (Megatron's DDP does it, `with_context_parallel=True`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from modelzoo.sequences import ContextParallel, context_parallel_indices, row_slots
+
+
+def current() -> ContextParallel | None:
+    """This rank's place in Megatron's context-parallel group, or None without context parallelism."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return None
+    return ContextParallel(parallel_state.get_context_parallel_group(), size, parallel_state.get_context_parallel_rank())
+
+
+def _this_rank(context_parallel: ContextParallel | None) -> ContextParallel | None:
+    return context_parallel if context_parallel is not None else current()
+
+
+def split_for_rank(tensor: Tensor | None, packed_seq_params=None,
+                   context_parallel: ContextParallel | None = None) -> Tensor | None:
+    """This CP rank's tokens of a [b, s, ...] tensor (input ids, labels, loss mask, position ids), in Megatron's
+    layout; the tensor itself without context parallelism (or when it is None)."""
+    context_parallel = _this_rank(context_parallel)
+    if tensor is None or context_parallel is None:
+        return tensor
+    slots = row_slots(tensor.shape[1], packed_seq_params)
+    index = context_parallel_indices(slots, context_parallel.size, context_parallel.rank, tensor.device)
+    return tensor.index_select(1, index)
+
+
+def pad_rows(tensor: Tensor | None, context_parallel: ContextParallel | None = None) -> Tensor | None:
+    """Rows [b, s, ...] right-padded with zeros to a multiple of 2 x CP tokens, so that they split evenly. Attention
+    is causal, so no real token reads the padding, and the outputs of the real tokens are unchanged."""
+    context_parallel = _this_rank(context_parallel)
+    if tensor is None or context_parallel is None:
+        return tensor
+    missing = -tensor.shape[1] % (2 * context_parallel.size)
+    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], missing, *tensor.shape[2:])], dim=1)
+
+
+def gather_from_ranks(local: Tensor, packed_seq_params=None, context_parallel: ContextParallel | None = None) -> Tensor:
+    """Every CP rank's [b, s / CP, ...] share of a per-token tensor -> the whole [b, s, ...] in row order, on every
+    rank (collective). Its backward hands each rank the gradient of its own share: each rank holds the same whole
+    tensor, and its loss reaches the other ranks' tokens through their own graphs."""
+    context_parallel = _this_rank(context_parallel)
+    if context_parallel is None:
+        return local
+    return _GatherTokens.apply(local, packed_seq_params, context_parallel)
+
+
+class _GatherTokens(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, local, packed_seq_params, context_parallel):
+        size = context_parallel.size
+        slots = row_slots(local.shape[1] * size, packed_seq_params)
+        order = torch.cat([context_parallel_indices(slots, size, rank, local.device) for rank in range(size)])
+        gathered = _all_gather(local, 1, context_parallel.group, size)
+        whole = torch.empty_like(gathered)
+        whole[:, order] = gathered
+        ctx.mine = context_parallel_indices(slots, size, context_parallel.rank, local.device)
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(1, ctx.mine), None, None
+
+
+def gather_keys_values(key: Tensor, value: Tensor, context_parallel: ContextParallel) -> tuple[Tensor, Tensor]:
+    """Keys and values [b, heads, s / CP, d] of every CP rank -> [b, heads, s, d], rank after rank (the order of
+    the layout's `keys`). Backward: each rank receives the sum over the group of its tokens' gradients."""
+    return (_GatherSequence.apply(key, context_parallel.group, context_parallel.size),
+            _GatherSequence.apply(value, context_parallel.group, context_parallel.size))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 2 forward, reduce-scatter along it backward (Megatron's sequence-parallel gather,
+    `gather_from_sequence_parallel_region`, for tensors that are not sequence-first)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, size):
+        ctx.group, ctx.size = group, size
+        return _all_gather(tensor, 2, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = grad.movedim(2, 0).contiguous()
+        mine = chunks.new_empty(chunks.shape[0] // ctx.size, *chunks.shape[1:])
+        dist.reduce_scatter_tensor(mine, chunks, group=ctx.group)
+        return mine.movedim(0, 2), None, None
+
+
+def _all_gather(tensor: Tensor, dim: int, group, size: int) -> Tensor:
+    first = tensor.movedim(dim, 0).contiguous()
+    gathered = first.new_empty(first.shape[0] * size, *first.shape[1:])
+    dist.all_gather_into_tensor(gathered, first, group=group)
+    return gathered.movedim(0, dim)

@@ -1,0 +1,58 @@
+"""Activation recompute as Megatron's TransformerConfig names it, for models built from our own layers.
+
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=N   groups of N layers
+    recompute_granularity="full", recompute_method="block",   recompute_num_layers=N   the first N layers
+    recompute_granularity="selective", recompute_modules=[...]                         pieces inside a layer
+
+Only a region's inputs are kept; its activations are recomputed in the backward. The checkpoints are
+non-reentrant (torch.utils.checkpoint), so regions may take and return tensors that other regions also use
+(LoopCoder's loop-1 K/V, DeepSeek-V4's residual streams) and parameters without gradients (frozen indexers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def recomputed(fn: Callable, enabled: bool) -> Callable:
+    """`fn`, or `fn` under an activation checkpoint when `enabled` and gradients are being recorded."""
+    if not enabled:
+        return fn
+
+    def run(*args):
+        if torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    return run
+
+
+def selective_modules(config, model_name: str, supported: dict[str, str]) -> frozenset[str]:
+    """The `recompute_modules` this model recomputes (empty unless granularity is selective). `supported` maps
+    each name the model honours to what it recomputes; any other name Megatron accepts is refused by name."""
+    if config.recompute_granularity != "selective":
+        return frozenset()
+    modules = frozenset(config.recompute_modules)
+    unsupported = sorted(modules - supported.keys())
+    if unsupported:
+        choices = "; ".join(f"{name!r} ({what})" for name, what in supported.items())
+        raise ValueError(f"{model_name}: recompute_modules {unsupported[0]!r} names no piece of this model; "
+                         f"it recomputes {choices}")
+    return modules
+
+
+def full_recompute_groups(config, num_layers: int) -> list[tuple[range, bool]]:
+    """The layers in runs, each with whether it runs under one checkpoint, as Megatron's full recompute splits
+    them: `uniform` checkpoints every run of `recompute_num_layers` layers, `block` the first
+    `recompute_num_layers` layers one by one and runs the rest as they are."""
+    if config.recompute_granularity != "full" or num_layers == 0:
+        return [(range(num_layers), False)]
+    size = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(range(start, min(start + size, num_layers)), True) for start in range(0, num_layers, size)]
+    recomputed_layers = min(size, num_layers)
+    groups = [(range(index, index + 1), True) for index in range(recomputed_layers)]
+    return groups + ([(range(recomputed_layers, num_layers), False)] if recomputed_layers < num_layers else [])
