@@ -1,7 +1,8 @@
 """The `modelzoo` command: import, export, logprobs, parity, list.
 
-`--tp N --ep M` runs N x M ranks (`logprobs` and `parity` also take `--cp C`: N x M x C ranks): gloo processes on
-a CPU machine (GPUs with nccl on a GPU machine).
+`--tp N --ep M --pp P` runs N x M x P ranks (`logprobs` and `parity` also take `--cp C`: N x M x C x P ranks):
+gloo processes on a CPU machine (GPUs with nccl on a GPU machine). `export` reads a checkpoint written at any of
+these layouts (pipeline stages included) at its own `--tp` / `--ep`.
 A bad input ends with one line on stderr naming what and where, exit code 2, and no output left.
 
 torch, Megatron-Core and transformers' modeling code are imported by the commands that use them, after
@@ -84,7 +85,7 @@ def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
 
 
 def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_name: str, naming: str | None,
-                 options: dict, allow_non_finite: bool) -> int:
+                 options: dict, allow_non_finite: bool, pp: int) -> int:
     import torch
 
     from conversion import engine, megatron_ckpt, validation
@@ -92,7 +93,7 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
     from modelzoo import runtime
     from modelzoo.provider import TOKENIZER_FILES
 
-    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
+    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep, pp=pp),
           validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_dir, params_dtype=getattr(torch, dtype_name), **options)
         config = Path(hf_dir) / "config.json"
@@ -112,6 +113,7 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
             side_files = [Path(hf_dir) / name for name in TOKENIZER_FILES if (Path(hf_dir) / name).exists()]
             side_files += [config] if retyped_config is None else []
             metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep,
+                        "written_at_pp": pp,
                         "model_options": provider.model_options()}
             megatron_ckpt.save(skeleton, out_dir, metadata, side_files, weights=weights, write_hf_side=write_hf_side)
         finally:
@@ -124,15 +126,16 @@ def cmd_import(args) -> int:
     _refuse_existing(out)
     options = _provider_options(args)
     provider = build_provider(args.hf_dir, **options)  # model type and layout checked before any process starts
-    provider.check_parallel_layout(args.tp, args.ep)
+    provider.check_parallel_layout(args.tp, args.ep, pp=args.pp)
     from modelzoo import runtime  # after the checks: a refused input does not wait for torch
 
     start = time.perf_counter()
     naming = None if args.format == "auto" else args.format
-    local_elements = runtime.run(_import_rank, args.tp * args.ep, args.hf_dir, str(out), args.tp, args.ep, args.dtype,
-                                 naming, options, args.allow_non_finite)
+    local_elements = runtime.run(_import_rank, args.tp * args.ep * args.pp, args.hf_dir, str(out), args.tp, args.ep,
+                                 args.dtype, naming, options, args.allow_non_finite, args.pp)
     _summary("import", [("architecture", provider.name), ("source", args.hf_dir), ("output", out),
-                        ("tensor / expert parallel", f"{args.tp} / {args.ep}"), ("dtype", args.dtype),
+                        ("tensor / expert / pipeline parallel", f"{args.tp} / {args.ep} / {args.pp}"),
+                        ("dtype", args.dtype),
                         ("parameters", f"{sum(local_elements):,} (all ranks)"),
                         ("seconds", f"{time.perf_counter() - start:.1f}")])
     return 0
@@ -242,7 +245,7 @@ def cmd_logprobs(args) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.cp)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
@@ -255,7 +258,7 @@ def cmd_logprobs(args) -> int:
     if args.pack:  # one forward of all sequences packed into a row
         [packed] = megatron_outputs(args.hf_dir, [], args.tp, dtype, args.attention, with_logits=False, ep=args.ep,
                                     options=_provider_options(args), packed=sequences,
-                                    allow_non_finite=args.allow_non_finite, cp=args.cp)
+                                    allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
         results = [logprobs.tolist() for logprobs in packed]
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
@@ -264,7 +267,7 @@ def cmd_logprobs(args) -> int:
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
                                        ep=args.ep, options=_provider_options(args),
-                                       allow_non_finite=args.allow_non_finite, cp=args.cp)
+                                       allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
         results = [logprobs[0].tolist() for logprobs, _ in outputs]
     for number, values in enumerate(results):
         bad = next((position for position, value in enumerate(values) if not math.isfinite(value)), None)
@@ -279,7 +282,7 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.cp)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
     import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
 
     from modelzoo.parity import hf_outputs, megatron_outputs
@@ -292,7 +295,7 @@ def cmd_parity(args) -> int:
     packed = [torch.randint(0, provider.vocab_size, (n,), generator=generator).tolist() for n in lengths]
     [(megatron_logprobs, megatron_logits), megatron_packed] = megatron_outputs(
         args.hf_dir, [ids], args.tp, dtype, args.attention, ep=args.ep, options=_provider_options(args), packed=packed,
-        allow_non_finite=args.allow_non_finite, cp=args.cp)
+        allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
                                                    allow_non_finite=args.allow_non_finite)
@@ -300,8 +303,8 @@ def cmd_parity(args) -> int:
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     report = {
-        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "cp": args.cp, "dtype": args.dtype,
-        "attention": args.attention,
+        "architecture": provider.name, "tp": args.tp, "sp": args.sp, "ep": args.ep, "cp": args.cp, "pp": args.pp,
+        "dtype": args.dtype, "attention": args.attention,
         "batch": args.batch, "seq_len": args.seq_len,
         "max_abs_diff_logprobs": (megatron_logprobs - hf_logprobs).abs().max().item(),
         "max_abs_diff_logits": (megatron_logits - hf_logits).abs().max().item(),
@@ -386,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         require_mtp(sub)
         sub.set_defaults(func=func)
     for name in ("import", "logprobs", "parity"):
+        commands.choices[name].add_argument("--pp", type=int, default=1,
+                                            help="pipeline-parallel size: the decoder layers split over pp stages")
         commands.choices[name].add_argument("--allow-non-finite", action="store_true",
                                             help="load weights with NaN or infinite values (refused by default)")
     commands.choices["logprobs"].add_argument("--tokens", required=True, help="JSON list of token-id lists")
@@ -406,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the least each count among the arguments can be (a log-prob needs two tokens)
-MINIMUMS = {"tp": 1, "ep": 1, "cp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
+MINIMUMS = {"tp": 1, "ep": 1, "cp": 1, "pp": 1, "batch": 1, "seq_len": 2, "max_shard_bytes": 1}
 # the argument naming what each command writes
 OUTPUTS = {"import": "megatron_dir", "export": "hf_dir", "export-adapter": "adapter_dir", "logprobs": "out"}
 

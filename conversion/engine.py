@@ -19,8 +19,42 @@ from conversion.safetensors_io import CheckpointReader
 from conversion.transforms import RowBlocks
 
 
-def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> parameter or persistent buffer, as Megatron's state dict names them.
+# the name Megatron's checkpoints give the word embedding on every pipeline stage that holds a copy of it
+# (LanguageModule.tie_embeddings_and_output_weights_state_dict)
+SHARED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+def checkpoint_name_of(model: torch.nn.Module) -> Callable[[str], str]:
+    """State-dict name -> the name of that tensor in the whole model, as the mapping table and checkpoints know it.
+
+    A pipeline stage numbers its layers from 0; Megatron's `layer_number` (1-based, counted over all stages) of a
+    layer in a ModuleList says which layer of the model it is. A weight Megatron marks `shared_embedding` is the
+    word embedding, or on a later stage its copy (a tied output layer, the embedding of the MTP layers), named as
+    the embedding. At one stage every name is its own.
+    """
+    renamed = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList):
+            for index, layer in enumerate(module):
+                number = getattr(layer, "layer_number", None)
+                if isinstance(number, int) and number - 1 != index:
+                    renamed[f"{module_name}.{index}."] = f"{module_name}.{number - 1}."
+    shared = {name for name, tensor in model.state_dict(keep_vars=True).items()
+              if getattr(tensor, "shared_embedding", False)}
+
+    def checkpoint_name(name: str) -> str:
+        if name in shared:
+            return SHARED_EMBEDDING_NAME
+        for prefix, whole_model_prefix in renamed.items():
+            if name.startswith(prefix):
+                return whole_model_prefix + name[len(prefix):]
+        return name
+
+    return checkpoint_name
+
+
+def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State-dict name -> parameter or persistent buffer, as this rank's module names them.
 
     Leaves out Megatron's extra state and LoRA adapters (`is_lora_adapter`): this engine moves the
     base weights, `modelzoo.lora` exports adapters.
@@ -30,6 +64,32 @@ def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, tensor in model.state_dict(keep_vars=True).items()
         if not name.endswith("_extra_state") and not getattr(tensor, "is_lora_adapter", False)
     }
+
+
+def megatron_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`state_dict_tensors` by the names of the whole model (`checkpoint_name_of`): on a pipeline stage, its
+    layers under their numbers in the model."""
+    checkpoint_name = checkpoint_name_of(model)
+    return {checkpoint_name(name): tensor for name, tensor in state_dict_tensors(model).items()}
+
+
+def pipeline_group():
+    """Megatron's pipeline-parallel group when there are several stages, else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return ps.get_pipeline_model_parallel_group()
+
+
+def all_stages(value):
+    """Collective over the pipeline stages: every stage's `value`, first stage first ([value] at one stage)."""
+    group = pipeline_group()
+    if group is None:
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 # the parameter attributes ShardLayout reads
@@ -122,8 +182,10 @@ def expected_hf_tensors(model: torch.nn.Module, table: MappingTable) -> dict[str
 
 def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> None:
     """Names, shapes and kinds of dtype of the whole checkpoint against the model, before a single byte
-    is loaded: a floating-point weight stored as integers would be cast to a wrong one, not refused."""
-    table.check_coverage(megatron_tensors(model), reader.names(), where=str(reader.folder))
+    is loaded: a floating-point weight stored as integers would be cast to a wrong one, not refused.
+    Collective over the pipeline stages: the checkpoint is covered by all their tensors together."""
+    names = dict.fromkeys(name for stage in all_stages(list(megatron_tensors(model))) for name in stage)
+    table.check_coverage(names, reader.names(), where=str(reader.folder))
     for name, tensor in expected_hf_tensors(model, table).items():
         info = reader.tensors[name]
         if info.dtype.is_floating_point != tensor.dtype.is_floating_point:
@@ -161,12 +223,12 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
 
 
 def hf_weights(model: torch.nn.Module, table: MappingTable, reader: CheckpointReader) -> Callable[[str], RowBlocks]:
-    """`weights(name)`: this rank's shard of each tensor of `model` (built on the meta device) as row
-    blocks, made from the checkpoint when asked for (`megatron_ckpt.save(..., weights=...)`); names and
+    """`weights(name)`: this rank's shard of each tensor of `model` (built on the meta device; `name` as its state
+    dict names it) as row blocks, made from the checkpoint when asked for (`megatron_ckpt.save(..., weights=...)`); names and
     shapes checked first."""
     check_checkpoint(model, table, reader)
-    tensors = megatron_tensors(model)
-    return lambda name: hf_shard(name, tensors[name], table, reader)
+    tensors, checkpoint_name = state_dict_tensors(model), checkpoint_name_of(model)
+    return lambda name: hf_shard(checkpoint_name(name), tensors[name], table, reader)
 
 
 def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor | RowBlocks]], table: MappingTable,
@@ -175,17 +237,22 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor 
     """Yield `(hf_name, full tensor)` for every checkpoint tensor, gathered across TP / EP on every rank.
 
     `model`: a Megatron model, or its `(name, local tensor or RowBlocks)` pairs read from a checkpoint
-    (`megatron_ckpt.stream_weights`). Streams: at most one Megatron tensor is gathered at a time. Every
-    rank must iterate (the gathers are collective); all ranks receive the same tensors.
+    (`megatron_ckpt.stream_weights`, at one pipeline stage). Streams: at most one Megatron tensor is gathered at a
+    time. Every rank must iterate (the gathers are collective); all ranks receive the same tensors, those of
+    every pipeline stage (each sent from the first stage that holds it).
     `edit(megatron_name, rule, hf_tensors)` may replace a tensor's HF tensors before they are yielded
     (LoRA's merged export). `row_blocks` (without `edit`): the HF tensors come as `RowBlocks` of the
     Megatron tensor's rows, not concatenated, for a writer that takes each block where it is
     (`ShardedWriter.add`: from the checkpoint's file).
     """
-    tensors = megatron_tensors(model).items() if isinstance(model, torch.nn.Module) else model
-    for name, tensor in tensors:
+    if not isinstance(model, torch.nn.Module):
+        tensors = ((name, tensor, ShardLayout(tensor)) for name, tensor in model)
+    elif pipeline_group() is None:
+        tensors = ((name, tensor, ShardLayout(tensor)) for name, tensor in megatron_tensors(model).items())
+    else:
+        tensors = _from_every_stage(megatron_tensors(model))
+    for name, tensor, layout in tensors:
         rule, indices = _rule_for(table, name)
-        layout = ShardLayout(tensor)
         full = layout.gather(tensor)
         hf_tensors = rule.transform.to_hf_rows(full if isinstance(full, RowBlocks) else RowBlocks([full]), layout.tp_size)
         if not row_blocks or edit is not None:
@@ -194,3 +261,36 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor 
             hf_tensors = edit(name, rule, hf_tensors)
         yield from zip(rule.hf_names(indices), hf_tensors)
 
+
+
+class _Received:
+    """ShardLayout of a tensor another pipeline stage gathered and sends whole: nothing to gather here."""
+
+    def __init__(self, tp_size: int):
+        self.tp_size = tp_size
+
+    def gather(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+
+def _from_every_stage(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, ShardLayout | _Received]]:
+    """Collective over the pipeline stages: `(name, tensor, layout)` of every stage's tensors in stage order, each
+    once. The first stage holding a tensor gathers it (TP / EP) and broadcasts it whole to the other stages."""
+    group = pipeline_group()
+    here = dist.get_rank(group)
+    layouts = {name: ShardLayout(tensor) for name, tensor in tensors.items()}
+    described = [(name, tuple(layouts[name].full_shape(tensor)), str(tensor.dtype).removeprefix("torch."),
+                  layouts[name].tp_size) for name, tensor in tensors.items()]
+    sent = set()
+    for stage, stage_tensors in enumerate(all_stages(described)):
+        for name, shape, dtype, tp_size in stage_tensors:
+            if name in sent:
+                continue
+            sent.add(name)
+            if stage == here:
+                full = layouts[name].gather(tensors[name])
+                full = (full.tensor() if isinstance(full, RowBlocks) else full).contiguous()
+            else:
+                full = torch.empty(shape, dtype=getattr(torch, dtype), device=next(iter(tensors.values())).device)
+            dist.broadcast(full, src=dist.get_global_rank(group, stage), group=group)
+            yield name, full, _Received(tp_size)

@@ -208,10 +208,11 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
 
     Reads consecutive tensors in groups of at most `group_bytes` (a larger tensor alone), so memory stays
     near one group. Each tensor carries its parameter's parallel attributes, so it can stand in for the
-    model in `engine.export_hf_weights`. Every rank must iterate to the end (the reads are collective).
+    model in `engine.export_hf_weights`; names are the whole model's (`engine.checkpoint_name_of`). Every rank
+    must iterate to the end (the reads are collective).
     The checkpoint is checked when this is called, before the first tensor is asked for.
     """
-    from conversion.engine import megatron_tensors, with_layout_of
+    from conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
 
     metadata = read_metadata(folder)
     state = state_folder(folder)
@@ -219,7 +220,7 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     sharded_state_dict = model.sharded_state_dict()
     check_stored_tensors(sharded_state_dict, stored, state / safe_pickle.METADATA_FILE,
                          dtypes=f"{METADATA_FILE}'s dtype {metadata.get('dtype')}")
-    params = megatron_tensors(model)
+    params, checkpoint_name = state_dict_tensors(model), checkpoint_name_of(model)
     groups: list[list[str]] = [[]]
     size = 0
     for name, param in params.items():
@@ -229,5 +230,5 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
             size = 0
         groups[-1].append(name)
         size += nbytes
-    return ((name, with_layout_of(tensor, params[name]))
+    return ((checkpoint_name(name), with_layout_of(tensor, params[name]))
             for name, tensor in load_groups(sharded_state_dict, params, groups, str(state), stored))

@@ -16,8 +16,11 @@ applied by `apply()`, only when `torch.cuda.is_available()` is False, and each h
 | utils (GlobalMemoryBuffer: DotProductAttention's QK^T; the grad | buffers and small tensors on                  |
 | norm without Apex / TE), distributed.param_and_grad_buffer      | torch.cuda.current_device() / device="cuda";  |
 | (DDP's buffers), optimizer.optimizer, optimizer.clip_grads,     | waits on torch.cuda.current_stream()          |
-| pipeline_parallel.schedules, tensor_parallel.mappings and       |                                               |
-| .layers (sequence parallelism's gathers and reduce-scatters)    |                                               |
+| pipeline_parallel.schedules, pipeline_parallel.p2p_communication| (p2p: the receive buffers between pipeline    |
+| (the receive buffers between stages), tensor_parallel.mappings  | stages, torch.cuda.synchronize() after them)  |
+| and .layers (sequence parallelism's gathers and reduce-scatters)|                                               |
+| LanguageModule.setup_embeddings_and_output_layer                | moves the word embedding shared by the first  |
+|                                                                 | and last pipeline stages with `.cuda()`       |
 | DistributedOptimizer / Float16OptimizerWithFloat16Params        | accept only tensors whose type() is           |
 | __init__, clip_grad_by_total_norm_fp32                          | "torch.cuda.FloatTensor" (or Half / BFloat16) |
 """
@@ -48,6 +51,7 @@ def apply() -> None:
     _patch_dist_checkpointing()
     _patch_cuda_allocations()
     _patch_optimizer_type_checks()
+    _patch_shared_embedding_setup()
     _applied = True
 
 
@@ -150,15 +154,18 @@ def _patch_cuda_allocations() -> None:
     # allocated on torch.cuda.current_device(), and DDP waits on torch.cuda.current_stream() before
     # reducing them; the optimizers' loss scale and found-inf flag, the gradient norm (clip_grads, and
     # utils.local_multi_tensor_l2_norm, its implementation without Apex or Transformer Engine) and the
-    # no-pipelining schedule's token count are small tensors made with device="cuda"; under sequence parallelism
-    # the tensor-parallel mappings and linears put their all-gather and reduce-scatter outputs on
-    # torch.cuda.current_device(). In those modules torch becomes `_TorchOnCpu`.
+    # no-pipelining schedule's token count are small tensors made with device="cuda"; the pipeline schedules'
+    # point-to-point communication makes its receive buffers on torch.cuda.current_device() and synchronises
+    # CUDA after batched sends and receives; under sequence parallelism the tensor-parallel mappings and linears
+    # put their all-gather and reduce-scatter outputs on torch.cuda.current_device(). In those modules torch
+    # becomes `_TorchOnCpu`.
     _give_modules_torch_on_cpu(
         "megatron.core.utils",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.clip_grads",
         "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.pipeline_parallel.p2p_communication",
         "megatron.core.tensor_parallel.mappings",
         "megatron.core.tensor_parallel.layers",
     )
@@ -176,6 +183,34 @@ def _patch_optimizer_type_checks() -> None:
         optimizer.Float16OptimizerWithFloat16Params.__init__)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
         clip_grads.clip_grad_by_total_norm_fp32)
+
+
+def _patch_shared_embedding_setup() -> None:
+    # With pipeline stages and a word embedding used on the last stage too (tied head, MTP), GPTModel's
+    # setup_embeddings_and_output_layer calls `weight.data.cuda()` before all-reducing the copies; inside that call a
+    # CPU tensor's .cuda() is the tensor itself.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_cpu(
+        LanguageModule.setup_embeddings_and_output_layer)
+
+
+class _CudaIsCpu(torch.overrides.TorchFunctionMode):
+    """tensor.cuda() of a CPU tensor is the tensor: there is no other device to move it to."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda and not args[0].is_cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _with_cuda_as_cpu(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _CudaIsCpu():
+            return function(*args, **kwargs)
+
+    return call
 
 
 def _give_modules_torch_on_cpu(*module_names: str) -> None:

@@ -101,8 +101,8 @@ def right_padded(input_ids: torch.Tensor, multiple: int) -> tuple[torch.Tensor, 
 
 def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int, ep: int, cp: int, dtype: torch.dtype,
                    attention: str, with_logits: bool, options: dict, packed: list[list[int]] | None = None,
-                   allow_non_finite: bool = False):
-    with runtime.parallel(tp=tp, ep=ep, cp=cp), validation.non_finite_allowed(allow_non_finite):
+                   allow_non_finite: bool = False, pp: int = 1):
+    with runtime.parallel(tp=tp, ep=ep, cp=cp, pp=pp), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(hf_dir, params_dtype=dtype, attention=attention, perform_initialization=False,
                                   **options)
         check_before_building(provider)
@@ -131,14 +131,16 @@ def _megatron_rank(rank: int, hf_dir: str, batches: list[torch.Tensor], tp: int,
 
 def megatron_outputs(hf_dir: str | Path, batches: list[torch.Tensor], tp: int = 1, dtype: torch.dtype = torch.float32,
                      attention: str = "exact", with_logits: bool = True, ep: int = 1, options: dict | None = None,
-                     packed: list[list[int]] | None = None, allow_non_finite: bool = False, cp: int = 1):
-    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep x cp ranks, as rank 0 sees
-    them; the model is built and loaded once for all batches. `options`: more keywords of `build_provider`. With
-    `packed` (token-id lists), one more entry: each sequence's log-probs from one forward of them packed into a row.
+                     packed: list[list[int]] | None = None, allow_non_finite: bool = False, cp: int = 1,
+                     pp: int = 1):
+    """For each batch: (token logprobs, logits or None) of the Megatron model on tp x ep x cp x pp ranks, as rank 0
+    sees them (with pipeline stages, sent from the last stage); the model is built and loaded once for all batches.
+    `options`: more keywords of `build_provider`. With `packed` (token-id lists), one more entry: each sequence's
+    log-probs from one forward of them packed into a row.
     `allow_non_finite`: load NaN or infinite weights rather than refuse them.
 
     Every rank runs the same tokens (under EP the ranks are data-parallel replicas of the dense part; under CP each
     runs its share of every row and the results are gathered back).
     """
-    return runtime.run(_megatron_rank, tp * ep * cp, str(hf_dir), batches, tp, ep, cp, dtype, attention, with_logits,
-                       options or {}, packed, allow_non_finite)[0]
+    return runtime.run(_megatron_rank, tp * ep * cp * pp, str(hf_dir), batches, tp, ep, cp, dtype, attention,
+                       with_logits, options or {}, packed, allow_non_finite, pp)[0]

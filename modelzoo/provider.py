@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
@@ -146,7 +147,8 @@ class ModelProvider:
 
         fields = self.transformer_config_kwargs(**_parallel_sizes())
         self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"],
-                                   fields["context_parallel_size"])
+                                   cp=fields["context_parallel_size"], pp=fields["pipeline_model_parallel_size"],
+                                   sp=bool(fields.get("sequence_parallel")))
         return TransformerConfig(**fields)
 
     def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
@@ -158,6 +160,7 @@ class ModelProvider:
             use_cpu_initialization=not torch.cuda.is_available(),
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            pipeline_dtype=self.params_dtype,  # of the activations sent between pipeline stages
             **parallel_sizes,
         )
         fields.update(self.transformer_config_fields())
@@ -167,9 +170,12 @@ class ModelProvider:
             fields["num_query_groups"] = tp
         return fields
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
         """Refuse a layout that does not split this model evenly (before any work starts)."""
         fields = self.transformer_config_fields()
+        if pp < 1 or fields["num_layers"] % pp:
+            raise ValueError(f"pipeline parallel size {pp} must divide the {fields['num_layers']} decoder layers of "
+                             f"this {self.name} model")
         heads = fields["num_attention_heads"]
         groups = fields.get("num_query_groups") or heads
         if tp < 1 or heads % tp or (groups % tp and not (self.copies_kv_heads and tp % groups == 0)):
@@ -183,6 +189,25 @@ class ModelProvider:
         if cp != 1 and not self.supports_context_parallel:
             raise ValueError(f"context parallel size {cp}: context parallelism is not implemented for this {self.name} "
                              f"model")
+        if pp > 1 and cp > 1:
+            raise ValueError(f"pipeline parallel size {pp} with context parallel size {cp}: pipeline stages are not "
+                             f"implemented together with context parallelism")
+        if pp > 1 and sp:
+            raise ValueError(f"pipeline parallel size {pp} with sequence parallelism: pipeline stages are not "
+                             f"implemented together with sequence parallelism")
+
+    @staticmethod
+    def pipeline_stage() -> dict[str, bool]:
+        """GPTModel's `pre_process` (this stage embeds) and `post_process` (it holds the head) for this rank."""
+        from megatron.core import parallel_state
+
+        return dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
+
+    def pipeline_seq_length(self, seq_length: int) -> int:
+        """The `seq_length` to give Megatron's schedules for micro-batches of `seq_length` tokens: they pass
+        tensors of [seq_length, micro_batch, hidden] between stages (an architecture that sends more overrides it)."""
+        return seq_length
 
     def provide(self, config=None) -> torch.nn.Module:
         """The Megatron module for the current parallel state, on the current device.
@@ -203,6 +228,7 @@ class ModelProvider:
         config = self.transformer_config()
         # no device argument in Megatron's parameter constructors, so torch.device("meta") places them all
         config.use_cpu_initialization, config.perform_initialization = True, False
+        config.init_model_with_meta_device = True  # no all-reduce of a word embedding shared by pipeline stages
         with torch.device("meta"):
             return cast_floating(self.build_model(config), self.params_dtype)
 
@@ -278,7 +304,8 @@ class ModelProvider:
         from modelzoo.sequences import BatchLayoutError, packed_spans
 
         if context_parallel.current() is None:
-            logits = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+            logits = self.forward(model, input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                  packed_seq_params=packed_seq_params)
             logprobs = next_token_logprobs(logits, input_ids, self.vocab_size)     # [b, s - 1]
         else:
             logprobs = self._context_parallel_logprobs(model, input_ids, position_ids, attention_mask,
@@ -317,17 +344,46 @@ class ModelProvider:
         local = vocab_parallel_logprobs(logits, local_targets, self.vocab_size)
         return context_parallel.gather_from_ranks(local, packed_seq_params)[:, : seq - 1]
 
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
+        """`model(input_ids, **call)` (GPTModel's call) on every rank. With several pipeline stages, one micro-batch
+        through Megatron's forward-only schedule; the last stage's output is sent to every stage."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        group = engine.pipeline_group()
+        if group is None:
+            return model(input_ids, **call)
+        kept = []
+
+        def forward_step(data_iterator, module):
+            def keep(output):
+                kept.append(output)
+                return output.new_zeros(()), {}
+            return module(input_ids, **call), keep
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=self.pipeline_seq_length(input_ids.shape[1]), micro_batch_size=input_ids.shape[0],
+            forward_only=True)
+        last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+        described = [(tuple(kept[0].shape), kept[0].dtype) if parallel_state.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(described, src=last, group=group)
+        shape, dtype = described[0]
+        output = kept[0].contiguous() if kept else torch.empty(shape, dtype=dtype, device=runtime.device())
+        dist.broadcast(output, src=last, group=group)
+        return output
+
     @torch.no_grad()
     def gathered_logits(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
         """Full-vocabulary logits [batch, seq, vocab] on every rank (for parity checks; not for training); under
         context parallelism from the whole rows, each rank running its share."""
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
         seq, packed_seq_params = input_ids.shape[1], call.get("packed_seq_params")
         if packed_seq_params is None:
             input_ids = context_parallel.pad_rows(input_ids)
-        local = model(context_parallel.split_for_rank(input_ids, packed_seq_params), **call).contiguous()
+        local = self.forward(model, context_parallel.split_for_rank(input_ids, packed_seq_params),
+                             **call).contiguous()
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
         dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
         logits = torch.cat(shards, dim=-1)[..., : self.vocab_size]

@@ -103,12 +103,18 @@ def test_cuda_allocations_of_ddp_optimizers_schedules_and_sequence_parallel_land
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import layers, mappings
 
-    for module in (param_and_grad_buffer, megatron_optimizer, clip_grads, schedules, mappings, layers):
+    for module in (param_and_grad_buffer, megatron_optimizer, clip_grads, schedules, p2p_communication, mappings,
+                   layers):
         assert module.torch.zeros(2, device="cuda").device.type == "cpu"
         assert module.torch.tensor([1.0], device=module.torch.cuda.current_device()).device.type == "cpu"
+    # the pipeline stages' receive buffers (p2p_communication's torch.empty on current_device()); sends and receives
+    # between gloo stages run in tests/test_pipeline_parallel.py
+    assert p2p_communication.torch.empty((2, 3), device=p2p_communication.torch.cuda.current_device(),
+                                         requires_grad=True).device.type == "cpu"
+    p2p_communication.torch.cuda.synchronize()
     stream = param_and_grad_buffer.torch.cuda.current_stream()
     stream.wait_stream(stream)  # nothing to wait for on the CPU
     assert torch.zeros(1).type() == "torch.FloatTensor", "torch itself is untouched"

@@ -84,8 +84,8 @@ class DeepseekV4Provider(ModelProvider):
     def args(self) -> v4_config.DeepseekV4Args:
         return v4_config.DeepseekV4Args.from_hf(self.hf_config)
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1) -> None:
-        super().check_parallel_layout(tp, ep, cp)
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
+        super().check_parallel_layout(tp, ep, cp, pp, sp)
         v4_config.check_parallel(self.hf_config, tp, ep)
 
     def transformer_config_fields(self) -> dict:
@@ -95,7 +95,10 @@ class DeepseekV4Provider(ModelProvider):
         from modelzoo.deepseek_v4.model.model import DeepseekV4Model
 
         return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp,
-                               self.mtp_loss_scale)
+                               self.mtp_loss_scale, **self.pipeline_stage())
+
+    def pipeline_seq_length(self, seq_length: int) -> int:
+        return seq_length * self.hf_config.hc_mult  # the hyper-connection streams travel between stages
 
     def checkpoint_reader(self, folder, naming=None):
         # release checkpoints: native names, FP8 / MXFP4 weights dequantised on read (docs/deepseek_v4.md)

@@ -90,14 +90,17 @@ class ModelzooModelProvider(TransformerConfig, ModelProviderMixin):
         return cls(modelzoo_provider=modelzoo_provider, **modelzoo_provider.transformer_config_kwargs())
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> torch.nn.Module:
-        sizes = (self.tensor_model_parallel_size, self.expert_model_parallel_size, self.context_parallel_size)
+        sizes = (self.tensor_model_parallel_size, self.expert_model_parallel_size, self.context_parallel_size,
+                 self.pipeline_model_parallel_size)
         state = (parallel_state.get_tensor_model_parallel_world_size(),
                  parallel_state.get_expert_model_parallel_world_size(),
-                 parallel_state.get_context_parallel_world_size())
+                 parallel_state.get_context_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size())
         if sizes != state:
-            raise ValueError(f"the provider asks for tensor/expert/context parallel sizes {sizes} but Megatron's parallel "
-                             f"state has {state}: call provider.initialize_model_parallel() after setting them")
-        self.modelzoo_provider.check_parallel_layout(*sizes)
+            raise ValueError(f"the provider asks for tensor/expert/context/pipeline parallel sizes {sizes} but "
+                             f"Megatron's parallel state has {state}: call provider.initialize_model_parallel() after "
+                             f"setting them")
+        self.modelzoo_provider.check_parallel_layout(*sizes, sp=self.sequence_parallel)
         return self.modelzoo_provider.provide(self)
 
 
@@ -108,7 +111,7 @@ def _modelzoo_provider(hf_config) -> ModelProvider:
 def _single_model(megatron_model) -> torch.nn.Module:
     models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
     if len(models) != 1:
-        raise ValueError(f"modelzoo models have no pipeline stages: expected one model chunk, got {len(models)}")
+        raise ValueError(f"modelzoo models have no virtual pipeline stages: expected one model chunk, got {len(models)}")
     return unwrap_model(models[0])
 
 

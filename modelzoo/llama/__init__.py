@@ -66,7 +66,7 @@ class LlamaProvider(ModelProvider):
         hf = self.hf_config
         return build_gpt_model(config, self.attention, self.padded_vocab_size(), hf.max_position_embeddings,
                                hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.num_key_value_heads,
-                               hf.vocab_size)
+                               hf.vocab_size, **self.pipeline_stage())
 
     def mapping(self):
         hf = self.hf_config

@@ -66,7 +66,10 @@ class LlamaGPTModel(GPTModel):
 
 
 def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence_length: int,
-                    rope_theta: float, tie_word_embeddings: bool, num_kv_heads: int, vocab_size: int) -> LlamaGPTModel:
+                    rope_theta: float, tie_word_embeddings: bool, num_kv_heads: int, vocab_size: int,
+                    pre_process: bool = True, post_process: bool = True) -> LlamaGPTModel:
+    """One pipeline stage of the model (all of it at one stage): its decoder layers are the stage's share, numbered
+    in the model by Megatron's layer offset; `pre_process` / `post_process`: it embeds / holds the head."""
     model = LlamaGPTModel(
         config=config,
         transformer_layer_spec=llama_block_spec(config, attention, num_kv_heads),
@@ -76,6 +79,8 @@ def build_gpt_model(config, attention: str, padded_vocab_size: int, max_sequence
         rotary_base=rope_theta,
         share_embeddings_and_output_weights=tie_word_embeddings,
         parallel_output=True,
+        pre_process=pre_process,
+        post_process=post_process,
     )
     model.vocab_size = vocab_size
     return model

@@ -68,6 +68,8 @@ class IQuestLoopCoderConfig(PretrainedConfig):
 __all__ = ["IQuestLoopCoderConfig"]
 
 
-PIPELINE_REFUSAL = ("LoopCoder: pipeline parallelism is not supported: loop 2 needs every layer's loop-1 keys and "
-                    "values, so each stage would run twice and send K/V of all its layers between loops "
-                    "(see docs/loopcoder.md)")
+PIPELINE_REFUSAL = ("LoopCoder: pipeline parallel size {pp} is refused: loop 2 of layer l reads loop 1's keys and "
+                    "values of layer l, so every stage would run twice per micro-batch (as two virtual stages of "
+                    "Megatron's interleaved schedule that share one set of weights, which its DDP and checkpoints "
+                    "cannot hold) and keep its layers' loop-1 K/V of every micro-batch in flight in between "
+                    "(docs/loopcoder.md, \"Pipeline stages\")")

@@ -203,7 +203,7 @@ class LoopCoderModel(MegatronModule):
         """Megatron's schedules hand each pipeline stage its input; LoopCoder is one stage, whose input is None."""
         tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
         if any(tensor is not None for tensor in tensors):
-            raise ValueError(PIPELINE_REFUSAL)
+            raise ValueError(PIPELINE_REFUSAL.format(pp=self.config.pipeline_model_parallel_size))
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 decoder_input: Tensor | None = None, labels: Tensor | None = None, inference_context=None,

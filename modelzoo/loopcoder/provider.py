@@ -36,10 +36,15 @@ class LoopCoderProvider(ModelProvider):
         check_llama_supported(self.hf_config, "iquestloopcoder config")
         overrides = self.config_overrides
         if overrides.get("pipeline_model_parallel_size", 1) > 1:
-            raise ValueError(PIPELINE_REFUSAL)
+            raise ValueError(PIPELINE_REFUSAL.format(pp=overrides["pipeline_model_parallel_size"]))
         if overrides.get("recompute_granularity") == "full" and overrides.get("recompute_method") == "block":
             raise ValueError("LoopCoder: full recompute checkpoints every layer call in both loops; "
                              "recompute_method='block' is not supported")
+
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
+        if pp > 1:
+            raise ValueError(PIPELINE_REFUSAL.format(pp=pp))
+        super().check_parallel_layout(tp, ep, cp, pp, sp)
 
     def transformer_config_fields(self) -> dict:
         return llama_transformer_fields(self.hf_config)
@@ -47,8 +52,6 @@ class LoopCoderProvider(ModelProvider):
     def build_model(self, config):
         from modelzoo.loopcoder.model import LoopCoderModel
 
-        if config.pipeline_model_parallel_size > 1:
-            raise ValueError(PIPELINE_REFUSAL)
         hf = self.hf_config
         return LoopCoderModel(config, hf.vocab_size, self.padded_vocab_size(), hf.max_position_embeddings,
                               hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,

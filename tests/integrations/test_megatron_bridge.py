@@ -191,9 +191,11 @@ def test_what_the_bridge_refuses_is_named():
             list(bridge.export_hf_weights([model], conversion_tasks=[]))
         with pytest.raises(ValueError, match="exclude_adapter_base_prefixes is not supported"):
             list(bridge.export_adapter_weights([model], exclude_adapter_base_prefixes=["decoder.layers.0"]))
-        with pytest.raises(ValueError, match="modelzoo models have no pipeline stages: expected one model chunk, got 2"):
+        with pytest.raises(ValueError, match="modelzoo models have no virtual pipeline stages: expected one model "
+                                             "chunk, got 2"):
             list(bridge.export_hf_weights([model, model]))
         provider.tensor_model_parallel_size = 2
-        with pytest.raises(ValueError, match=r"tensor/expert/context parallel sizes \(2, 1, 1\) but Megatron's "
-                                             r"parallel state has \(1, 1, 1\): call provider.initialize_model_parallel\(\)"):
+        with pytest.raises(ValueError, match=r"tensor/expert/context/pipeline parallel sizes \(2, 1, 1, 1\) but "
+                                             r"Megatron's parallel state has \(1, 1, 1, 1\): call "
+                                             r"provider.initialize_model_parallel\(\)"):
             provider.provide()

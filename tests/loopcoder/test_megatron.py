@@ -125,7 +125,7 @@ def test_gate_is_frozen_by_default_and_everything_else_trains():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"pipeline_model_parallel_size": 2}, "pipeline parallelism is not supported"),
+    ({"pipeline_model_parallel_size": 2}, "pipeline parallel size 2 is refused: loop 2 of layer l"),
     ({"recompute_granularity": "full", "recompute_method": "block"}, "recompute_method='block' is not supported"),
 ])
 def test_unsupported_layouts_are_refused(overrides, message):

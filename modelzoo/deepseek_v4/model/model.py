@@ -107,21 +107,34 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Decoder(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
+    """This pipeline stage's decoder layers (all of them at one stage), numbered in the model by Megatron's layer
+    offset (`layer_number`, 1-based, as Megatron's TransformerLayer); the last stage also holds the head's hyper
+    connection and norm."""
+
+    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact", post_process: bool = True):
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
         super().__init__()
+        kinds = list(zip(args.layer_types, args.mlp_layer_types, strict=True))
+        offset = get_transformer_layer_offset(config) if config.pipeline_model_parallel_size > 1 else 0
         recompute = selective_modules(config, "DeepSeek-V4", SELECTIVE_RECOMPUTE)
-        self.layers = nn.ModuleList(
-            DeepseekV4DecoderLayer(config, args, layer_type, mlp_type, attention, recompute)
-            for layer_type, mlp_type in zip(args.layer_types, args.mlp_layer_types, strict=True))
-        self.hc_head = per_token(HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps,
-                                           config.init_method_std), config)
-        self.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.layers = nn.ModuleList()
+        for number in range(offset, offset + get_num_layers_to_build(config)):
+            layer = DeepseekV4DecoderLayer(config, args, *kinds[number], attention, recompute)
+            layer.layer_number = number + 1
+            self.layers.append(layer)
+        if post_process:
+            self.hc_head = per_token(HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps,
+                                               config.init_method_std), config)
+            self.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        # as Megatron's TransformerBlock: full recompute counts this stage's layers
         self.recompute_groups = full_recompute_groups(config, len(self.layers))
         self.recomputing = any(recompute for _, recompute in self.recompute_groups) or bool(recompute)
 
     def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
                 layout: TokenLayout, unrouted: torch.Tensor | None) -> torch.Tensor:
-        """Every layer in turn; under full recompute each run of layers keeps only its input streams."""
+        """This stage's layers in turn; under full recompute each run of layers keeps only its input streams."""
         for layers, recompute in self.recompute_groups:
             def run(streams, layers=layers):
                 for index in layers:
@@ -132,30 +145,48 @@ class DeepseekV4Decoder(nn.Module):
 
 
 class DeepseekV4Model(MegatronModule):
+    """One pipeline stage of DeepSeek-V4 (the whole model at one stage), placed as GPTModel places its pieces: the
+    first stage (`pre_process`) embeds, the last (`post_process`) holds the head and the MTP layers. Between stages
+    travel the hyper-connection streams [B, S, hc_mult, H], flattened to [S * hc_mult, B, H], the
+    [seq, batch, hidden] tensor Megatron's schedules send: give them `seq_length` = S * hc_mult
+    (`provider.pipeline_seq_length`). The MTP layers and a tied head read the word embedding, so the last stage
+    keeps a copy of it, as Megatron does (`shared_embedding`: the same initial values, its gradient all-reduced
+    with the first stage's by finalize_model_grads)."""
 
     model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model
+
     def __init__(self, config, args: DeepseekV4Args, padded_vocab_size: int, attention: str = "exact",
-                 build_mtp: bool = True, mtp_loss_scale: float = 0.0):
+                 build_mtp: bool = True, mtp_loss_scale: float = 0.0, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__(config=config)
         from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP
 
         self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
+        self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel.enabled(config)
-        self.embedding = nn.Module()
-        self.embedding.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
-            reduce_scatter_embeddings=self.sequence_parallel)
-        self.decoder = DeepseekV4Decoder(config, args, attention)
-        # tied: no weight of its own, the embedding matrix is handed to it (as GPTModel does)
-        self.output_layer = ColumnParallelLinear(
-            args.hidden_size, padded_vocab_size, config=sequence_parallel.whole_sequence_config(config),
-            init_method=config.init_method, bias=False, gather_output=False,
-            skip_weight_param_allocation=args.tie_word_embeddings)
-        if args.tie_word_embeddings:
+        num_mtp_layers = args.num_mtp_layers if build_mtp else 0
+        # what finalize_model_grads reads: the embedding weight is also used on the last stage
+        self.share_embeddings_and_output_weights = args.tie_word_embeddings or bool(num_mtp_layers)
+        self.input_tensor = None
+        if pre_process or (post_process and self.share_embeddings_and_output_weights):
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(
+                padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
+                reduce_scatter_embeddings=self.sequence_parallel)
+        self.decoder = DeepseekV4Decoder(config, args, attention, post_process)
+        if post_process:
+            # tied: no weight of its own, the embedding matrix is handed to it (as GPTModel does)
+            self.output_layer = ColumnParallelLinear(
+                args.hidden_size, padded_vocab_size, config=sequence_parallel.whole_sequence_config(config),
+                init_method=config.init_method, bias=False, gather_output=False,
+                skip_weight_param_allocation=args.tie_word_embeddings)
+            self.mtp = DeepseekV4MTP(config, args, attention, num_mtp_layers)
+        if args.tie_word_embeddings and pre_process and post_process:
             # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
             # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
             self.embedding.word_embeddings.weight.zero_out_wgrad = True
-        self.mtp = DeepseekV4MTP(config, args, attention, args.num_mtp_layers if build_mtp else 0)
+        if config.pipeline_model_parallel_size > 1 and self.share_embeddings_and_output_weights:
+            self._share_embedding_across_stages()
         # The language-model loss reaches neither the indexers (a top-k of indices: DeepSeek trains them with a
         # loss of their own, not implemented here) nor the MTP layers unless their loss is on. Frozen, they are
         # what a step leaves them anyway, and Megatron's DDP, which waits for a gradient of every trainable
@@ -164,6 +195,27 @@ class DeepseekV4Model(MegatronModule):
             if ".indexer." in name or (name.startswith("mtp.") and not mtp_loss_scale):
                 param.requires_grad_(False)
         self.layer_graphs: LayerGraphs | None = None
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The word embedding on a stage that holds it (finalize_model_grads all-reduces its gradient)."""
+        return self.embedding.word_embeddings.weight if hasattr(self, "embedding") else None
+
+    def _share_embedding_across_stages(self) -> None:
+        """As LanguageModule.setup_embeddings_and_output_layer: the first and last stages' embeddings are one
+        weight, marked `shared_embedding`; the last stage's copy starts from the first stage's values (zeros
+        all-reduced over Megatron's embedding group)."""
+        from megatron.core import parallel_state
+
+        weight = self.shared_embedding_or_output_weight()
+        if weight is None:
+            return
+        weight.shared_embedding = True
+        if not self.pre_process:
+            weight.shared = True
+            with torch.no_grad():
+                weight.zero_()
+        if not self.config.init_model_with_meta_device and parallel_state.is_rank_in_embedding_group():
+            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Capture the decoder layers' forward and backward as two CUDA graphs for inputs of this shape.
@@ -217,24 +269,33 @@ class DeepseekV4Model(MegatronModule):
             make_tp_sharded_tensor_for_checkpoint,
         )
 
+        from conversion.engine import checkpoint_name_of
+
         if sharded_offsets:
-            raise NotImplementedError("DeepSeek-V4: pipeline-parallel (prepended) checkpoint offsets are not supported")
+            raise NotImplementedError("DeepSeek-V4: virtual pipeline (prepended) checkpoint offsets are not supported")
         result = {}
+        checkpoint_name = checkpoint_name_of(self)  # a pipeline stage's layers under their numbers in the model
         for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
-            key = f"{prefix}{name}"
+            # the state dict keeps this stage's names; the checkpoint key is the whole model's
+            entry, key = f"{prefix}{name}", f"{prefix}{checkpoint_name(name)}"
             if name.endswith("_extra_state"):
-                result[key] = make_sharded_object_for_checkpoint(tensor, key)
+                result[entry] = make_sharded_object_for_checkpoint(tensor, key)
             elif getattr(tensor, "expert_parallel", False):
                 offsets = [(0, ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size())]
                 if getattr(tensor, "tensor_model_parallel", False):
                     offsets.append((tensor.partition_dim, ps.get_expert_tensor_parallel_rank(),
                                     ps.get_expert_tensor_parallel_world_size()))
-                result[key] = ShardedTensor.from_rank_offsets(key, tensor, *offsets,
+                result[entry] = ShardedTensor.from_rank_offsets(key, tensor, *offsets,
                                                               replica_id=(0, 0, ps.get_expert_data_parallel_rank()))
+            elif getattr(tensor, "shared_embedding", False) and not self.pre_process:
+                # the last stage's copy of the first stage's embedding: a replica, not written twice (LanguageModule)
+                result[entry] = make_tp_sharded_tensor_for_checkpoint(
+                    tensor, key, tensor.partition_dim,
+                    replica_id=(1, 0, ps.get_data_parallel_rank(with_context_parallel=True)))
             elif getattr(tensor, "tensor_model_parallel", False):
-                result[key] = make_tp_sharded_tensor_for_checkpoint(tensor, key, tensor.partition_dim)
+                result[entry] = make_tp_sharded_tensor_for_checkpoint(tensor, key, tensor.partition_dim)
             else:
-                result[key] = make_sharded_tensor_for_checkpoint(tensor, key)
+                result[entry] = make_sharded_tensor_for_checkpoint(tensor, key)
         return result
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -256,10 +317,18 @@ class DeepseekV4Model(MegatronModule):
         return logits
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Megatron's schedules hand each pipeline stage its input; this model is one stage, whose input is None."""
-        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
-        if any(tensor is not None for tensor in tensors):
-            raise ValueError("DeepSeek-V4: pipeline stages are not supported; the model runs as one stage")
+        """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def stage_output(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams [B, S, N, H] as the [S * N, B, H] tensor sent to the next stage."""
+        batch, seq, streams_per_token, hidden = streams.shape
+        return streams.permute(1, 2, 0, 3).reshape(seq * streams_per_token, batch, hidden).contiguous()
+
+    def stage_input(self, received: torch.Tensor) -> torch.Tensor:
+        """The previous stage's [S * N, B, H] tensor as streams [B, S, N, H]."""
+        length, batch, hidden = received.shape
+        return received.view(length // self.hc_mult, self.hc_mult, batch, hidden).permute(2, 0, 1, 3)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None,
@@ -280,7 +349,9 @@ class DeepseekV4Model(MegatronModule):
         if input_ids is None and any(kind == HASH_MOE for kind in self.args.mlp_layer_types):
             raise ValueError("DeepSeek-V4: hash-routed MoE layers route by token id: pass input_ids with decoder_input")
         position_ids = self.default_position_ids(input_ids) if layout.plain else layout.rope_positions
-        if decoder_input is not None:  # [s, b, hidden], Megatron's layout (this rank's s / tp under sequence parallel)
+        if not self.pre_process:
+            streams = self.stage_input(self.input_tensor)
+        elif decoder_input is not None:  # [s, b, hidden], Megatron's layout (this rank's s / tp under sequence parallel)
             embeddings = decoder_input.transpose(0, 1)
             streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
@@ -291,6 +362,8 @@ class DeepseekV4Model(MegatronModule):
             streams = graphs(streams, position_ids, input_ids)
         else:
             streams = self.decoder(streams, position_ids, input_ids, layout, unrouted)
+        if not self.post_process:
+            return self.stage_output(streams)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
         if return_mtp or (labels is not None and self.mtp_loss_scale):
             if not self.mtp.layers:
