@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from modelzoo.sequences import ContextParallel, context_parallel_indices, row_slots
+from modelzoo.sequences import ContextParallel, KeyTokens, context_parallel_indices, row_slots
 
 
 def current() -> ContextParallel | None:
@@ -92,28 +92,49 @@ class _GatherTokens(torch.autograd.Function):
         return grad.index_select(1, ctx.mine), None, None
 
 
+def gather_in_row_order(local: Tensor, keys: KeyTokens) -> Tensor:
+    """Every CP rank's [b, s / CP, ...] share of a per-token tensor -> the whole [b, s, ...] in row order, on every
+    rank (collective; `keys` is the layout's `context_parallel_keys`). For what every rank computes from the whole
+    rows (DeepSeek-V4's compressed entries): backward, each rank receives the sum over the group of its tokens'
+    gradients (a reduce-scatter), since every rank's loss reads every token through its own copy."""
+    context_parallel = keys.context_parallel
+    in_key_order = _GatherSequence.apply(local, context_parallel.group, context_parallel.size, 1)
+    return in_key_order[:, keys.index.argsort()]
+
+
+def sum_over_group(value: Tensor, context_parallel: ContextParallel) -> Tensor:
+    """A value (a count, a normaliser; no gradient) summed over the CP group, on every rank."""
+    total = value.detach().clone()
+    dist.all_reduce(total, group=context_parallel.group)
+    return total
+
+
 def gather_keys_values(key: Tensor, value: Tensor, context_parallel: ContextParallel) -> tuple[Tensor, Tensor]:
     """Keys and values [b, heads, s / CP, d] of every CP rank -> [b, heads, s, d], rank after rank (the order of
     the layout's `keys`). Backward: each rank receives the sum over the group of its tokens' gradients."""
-    return (_GatherSequence.apply(key, context_parallel.group, context_parallel.size),
-            _GatherSequence.apply(value, context_parallel.group, context_parallel.size))
+    return gather_keys(key, context_parallel), gather_keys(value, context_parallel)
+
+
+def gather_keys(tensor: Tensor, context_parallel: ContextParallel) -> Tensor:
+    """One [b, heads, s / CP, d] tensor of every CP rank -> [b, heads, s, d], as `gather_keys_values`."""
+    return _GatherSequence.apply(tensor, context_parallel.group, context_parallel.size, 2)
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 2 forward, reduce-scatter along it backward (Megatron's sequence-parallel gather,
+    """All-gather along `dim` forward, reduce-scatter along it backward (Megatron's sequence-parallel gather,
     `gather_from_sequence_parallel_region`, for tensors that are not sequence-first)."""
 
     @staticmethod
-    def forward(ctx, tensor, group, size):
-        ctx.group, ctx.size = group, size
-        return _all_gather(tensor, 2, group, size)
+    def forward(ctx, tensor, group, size, dim):
+        ctx.group, ctx.size, ctx.dim = group, size, dim
+        return _all_gather(tensor, dim, group, size)
 
     @staticmethod
     def backward(ctx, grad):
-        chunks = grad.movedim(2, 0).contiguous()
+        chunks = grad.movedim(ctx.dim, 0).contiguous()
         mine = chunks.new_empty(chunks.shape[0] // ctx.size, *chunks.shape[1:])
         dist.reduce_scatter_tensor(mine, chunks, group=ctx.group)
-        return mine.movedim(0, 2), None, None
+        return mine.movedim(0, ctx.dim), None, None, None
 
 
 def _all_gather(tensor: Tensor, dim: int, group, size: int) -> Tensor:

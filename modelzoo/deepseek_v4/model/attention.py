@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from modelzoo.attention import visible_keys
+from modelzoo.context_parallel import gather_keys
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
@@ -124,6 +125,10 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"DeepSeek-V4: attention={attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        if attention == "fast" and config.context_parallel_size > 1:
+            raise ValueError(f"DeepSeek-V4: context parallel size {config.context_parallel_size} runs the exact "
+                             f"attention only (the fast one attends each sequence's consecutive tokens): build it "
+                             f"with attention='exact'")
         self.attention = attention
         tp = config.tensor_model_parallel_size
         heads, head_dim = args.num_heads, args.head_dim
@@ -174,6 +179,8 @@ class DeepseekV4Attention(nn.Module):
         """Compressor, indexer and attention of the queries q [B, S, h, D] over the window's K = V kv [B, 1, S, D]
         and the compressed entries -> [B, S, h, D] (still rotated)."""
         batch, seq_len = q.shape[:2]
+        if layout.context_parallel_keys is not None:  # this rank's queries over every rank's window keys
+            kv = gather_keys(kv, layout.context_parallel_keys.context_parallel)
         compressed = None
         if self.compressor is not None:
             compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)
@@ -189,7 +196,7 @@ class DeepseekV4Attention(nn.Module):
         else:
             allowed = visible_keys(seq_len, self.sliding_window, layout, q.device)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
-            mask = mask.expand(batch, 1, seq_len, seq_len)
+            mask = mask.expand(batch, 1, seq_len, -1)
             if compressed is not None:
                 compressed_bias = torch.zeros(compressed.dense(layout).shape, dtype=q.dtype, device=q.device)
                 compressed_bias = compressed_bias.masked_fill(~compressed.dense(layout), float("-inf"))

@@ -25,6 +25,7 @@ from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+from modelzoo.context_parallel import gather_in_row_order
 from modelzoo.fused import fused
 from modelzoo.sequences import TokenLayout, plain_layout
 
@@ -124,6 +125,26 @@ class CompressedVisibility:
         return torch.where(picks >= 0, picks - first_entry, -1), self.windows.ratio
 
 
+def queries_of_sequence(layout: TokenLayout, row: int, start: int, length: int) -> slice | torch.Tensor:
+    """This layout's tokens of the sequence of `layout.whole_rows().sequences` at (row, start, length): the slice
+    of its row, or under context parallelism the indices of this rank's share of it (two chunks, maybe none)."""
+    if layout.context_parallel_keys is None:
+        return slice(start, start + length)
+    segment = layout.whole_rows().segment_ids[row, start]
+    return torch.nonzero(layout.segment_ids[row] == segment)[:, 0]
+
+
+def window_inputs(linear_kv: nn.Module, linear_gate: nn.Module, hidden_states: torch.Tensor,
+                  layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projections [B, S, width] a compressor pools, of the whole rows: under context parallelism each rank
+    projects its own tokens and the projections of every rank are gathered in row order (their gradients summed
+    back over the group), so that every rank pools the same entries from whole windows."""
+    kv, gate = linear_kv(hidden_states), linear_gate(hidden_states)
+    if layout.context_parallel_keys is None:
+        return kv, gate
+    return gather_in_row_order(torch.cat([kv, gate], dim=-1), layout.context_parallel_keys).chunk(2, dim=-1)
+
+
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, windows: CompressedWindows,
                  head_dim: int, overlap: bool, kv_norm: RMSNorm, rotary: RotaryTable) -> torch.Tensor:
     """[B, S, (1|2)*D] projections -> [B, E, D] compressed entries (normed, RoPE'd at each window's first position)."""
@@ -167,9 +188,10 @@ class _Compressor(nn.Module):
         self.kv_norm = RMSNorm(head_dim, args.rms_norm_eps)
         self.rotary = RotaryTable(*args.rope_table("compress"))
 
-    def compress(self, hidden_states: torch.Tensor, windows: CompressedWindows) -> torch.Tensor:
-        return pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
-                            windows, self.head_dim, self.overlap, self.kv_norm, self.rotary)
+    def compress(self, hidden_states: torch.Tensor, windows: CompressedWindows, layout: TokenLayout) -> torch.Tensor:
+        kv, gate = window_inputs(self.linear_kv, self.linear_gate, hidden_states, layout)
+        return pool_windows(kv, gate, self.position_bias, windows, self.head_dim, self.overlap, self.kv_norm,
+                            self.rotary)
 
 
 class HCACompressor(_Compressor):
@@ -183,8 +205,8 @@ class HCACompressor(_Compressor):
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
         """-> compressed entries [B, 1, E, D] and which of them each query sees (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
-        windows = CompressedWindows.of(layout, self.ratio)
-        return self.compress(hidden_states, windows).unsqueeze(1), CompressedVisibility(windows)
+        windows = CompressedWindows.of(layout.whole_rows(), self.ratio)
+        return self.compress(hidden_states, windows, layout).unsqueeze(1), CompressedVisibility(windows)
 
 
 class CSACompressor(_Compressor):
@@ -201,8 +223,8 @@ class CSACompressor(_Compressor):
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
         """-> compressed entries [B, 1, E, D] and the indexer's picks per query (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
-        windows = CompressedWindows.of(layout, self.ratio)
-        compressed_kv = self.compress(hidden_states, windows).unsqueeze(1)       # [B, 1, E, D]
+        windows = CompressedWindows.of(layout.whole_rows(), self.ratio)
+        compressed_kv = self.compress(hidden_states, windows, layout).unsqueeze(1)       # [B, 1, E, D]
         picks = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
         return compressed_kv, CompressedVisibility(windows, picks)
 
