@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from modelzoo.sequences import ContextParallel, KeyTokens, context_parallel_indices, row_slots
+from modelzoo.sequences import ContextParallel, KeyTokens, context_parallel_indices, pack_sequences, row_slots
 
 
 def current() -> ContextParallel | None:
@@ -54,14 +54,22 @@ def split_for_rank(tensor: Tensor | None, packed_seq_params=None,
     return tensor.index_select(1, index)
 
 
-def pad_rows(tensor: Tensor | None, context_parallel: ContextParallel | None = None) -> Tensor | None:
-    """Rows [b, s, ...] right-padded with zeros to a multiple of 2 x CP tokens, so that they split evenly. Attention
-    is causal, so no real token reads the padding, and the outputs of the real tokens are unchanged."""
+def rows_as_packed(input_ids: Tensor, position_ids: Tensor | None = None,
+                   context_parallel: ContextParallel | None = None):
+    """Rows [b, s] that the CP ranks cannot split evenly (s no multiple of 2 x CP) as one packed row, each row a
+    sequence in a slot padded to a multiple of 2 x CP: (`PackedBatch`, the position ids packed alike or None); None
+    when the rows split as they are (or without context parallelism). Padding appended to a row would be read as
+    tokens of its sequence: causal attention never reads it, but DeepSeek-V4's compressor would pool it into an
+    entry; packed, it belongs to no sequence."""
     context_parallel = _this_rank(context_parallel)
-    if tensor is None or context_parallel is None:
-        return tensor
-    missing = -tensor.shape[1] % (2 * context_parallel.size)
-    return torch.cat([tensor, tensor.new_zeros(tensor.shape[0], missing, *tensor.shape[2:])], dim=1)
+    if context_parallel is None or input_ids.shape[1] % (2 * context_parallel.size) == 0:
+        return None
+    divisor = 2 * context_parallel.size
+    batch = pack_sequences(input_ids.tolist(), divisor=divisor, device=input_ids.device)
+    if position_ids is None:
+        return batch, None
+    positions = pack_sequences(position_ids.expand_as(input_ids).tolist(), divisor=divisor).input_ids
+    return batch, positions.to(position_ids.device)
 
 
 def gather_from_ranks(local: Tensor, packed_seq_params=None, context_parallel: ContextParallel | None = None) -> Tensor:
