@@ -26,13 +26,14 @@ both ranks' tokens through the dispatcher), and two such replicas run.
   (`calculate_per_token_loss`, Megatron-Bridge's): they are summed over the data-parallel group with context
   parallelism (expert parameters over the expert data-parallel group) and divided by the loss tokens of every rank,
   which must give the HF gradient of the mean (GRADIENT_TOLERANCE = 1e-4 relative to the largest entry of each
-  tensor, max-norm). The indexer (a top-k of indices) and the MTP layers (their loss off) get no gradient. At CP 2
-  also with the core attention recomputed (selective recompute; its gathers run again in the backward): the local
-  losses' gradients summed over the CP group.
+  tensor, max-norm). The indexer (a top-k of indices) and the MTP layers (their loss off) get no gradient.
+- The fast attention (at CP 2 and CP 4: each rank's runs of a sequence with the window's halo from other ranks'
+  chunks) and, at CP 2, the core attention recomputed (selective recompute; its gathers run again in the backward):
+  log-probs as above, and the local losses' gradients summed over the CP group equal the HF gradients.
 - MTP (mtp_loss_scale 0.3, at CP 2 and CP 4): the gathered depth-1 logits within MTP_TOLERANCE = 1e-4 of the
   formulation's (test_mtp.py's); the gradients of the local losses (main + MTP, whose share each rank adds),
   summed over the CP group, within GRADIENT_TOLERANCE of the gradients without context parallelism.
-- Refused in one sentence under context parallelism: the fast attention, routing replay, recording decisions.
+- Refused in one sentence under context parallelism: routing replay, recording decisions.
 - The CLI's `logprobs --cp 2` (rows and `--pack`) equals the HF backend.
 Measured: log-probs within 4.3e-6; gradients within 2.5e-5 relative (the hyper-connection `scale` and `base`, sums
 with heavy cancellation; the rest within 4.9e-6); MTP logits within 5.2e-6, MTP gradients within 1.5e-5.
@@ -178,12 +179,13 @@ def _mtp(batch, labels, loss_mask) -> dict:
     return dict(logits=logits, grads=grads)
 
 
-def _recomputed_grads(batch, labels, loss_mask) -> dict[str, torch.Tensor]:
-    """Selective recompute of the core attention (compressor, indexer and attention: the gathers run again in the
-    backward): the gradients of the local loss, summed over the CP group, by checkpoint name (collective)."""
+def _variant(batch, labels, loss_mask, rows, **options) -> dict:
+    """The model built with `options` (the fast attention, recompute): the gradients of the local loss on the
+    packed row, summed over the CP group, by checkpoint name (collective); the log-probs of the packed row and the
+    cut rows."""
     from megatron.core import parallel_state
 
-    provider = build_provider(CHECKPOINT, recompute_granularity="selective", recompute_modules=["core_attn"])
+    provider = build_provider(CHECKPOINT, **options)
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
     params = batch.packed_seq_params
@@ -191,12 +193,15 @@ def _recomputed_grads(batch, labels, loss_mask) -> dict[str, torch.Tensor]:
                                                                                           loss_mask))
     (model(ids, None, None, labels=local_labels, packed_seq_params=params) * local_mask).sum().backward()
     with torch.no_grad():
+        logprobs = provider.token_logprobs(model, batch.input_ids, packed_seq_params=params)
+        cut = provider.token_logprobs(model, rows[:, :CUT])
         for param in model.parameters():
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             dist.all_reduce(grad, group=parallel_state.get_context_parallel_group())
             param.copy_(grad)
-        return {name: tensor.clone() for name, tensor in provider.export_hf_weights(model)
-                if not name.endswith(BUFFERS)}
+        grads = {name: tensor.clone() for name, tensor in provider.export_hf_weights(model)
+                 if not name.endswith(BUFFERS)}
+    return dict(grads=grads, logprobs=logprobs, cut=cut)
 
 
 def _refusals(batch) -> dict[str, str]:
@@ -204,11 +209,10 @@ def _refusals(batch) -> dict[str, str]:
     from modelzoo.deepseek_v4.model.decisions import recording_decisions
 
     messages = {}
-    for kind, options in (("fast", dict(attention="fast")), ("routing replay", dict(moe_enable_routing_replay=True))):
-        try:
-            build_provider(CHECKPOINT, **options).provide()
-        except ValueError as error:
-            messages[kind] = str(error)
+    try:
+        build_provider(CHECKPOINT, moe_enable_routing_replay=True).provide()
+    except ValueError as error:
+        messages["routing replay"] = str(error)
     provider = build_provider(CHECKPOINT)
     model = provider.provide()
     try:
@@ -246,8 +250,10 @@ def _rank(rank: int, layouts):
                           local_tokens=local_tokens, row_tokens=batch.input_ids.shape[1])
             if tp == ep == 1:
                 result["mtp"] = _mtp(batch, labels, loss_mask)
+                result["fast"] = _variant(batch, labels, loss_mask, rows, attention="fast")
             if (tp, ep, cp) == (1, 1, 2):
-                result["recompute_grads"] = _recomputed_grads(batch, labels, loss_mask)
+                result["recompute"] = _variant(batch, labels, loss_mask, rows, recompute_granularity="selective",
+                                               recompute_modules=["core_attn"])
                 result["refused"] = _refusals(batch)
             results[(tp, ep, cp)] = result
     return results
@@ -315,14 +321,22 @@ def _at_cp2(ranks) -> list[dict]:
     return [results[(1, 1, 2)] for results in ranks]
 
 
-def test_gradients_with_the_core_attention_recomputed_equal_the_hf_gradients(ranks, reference):
-    for rank, result in enumerate(_at_cp2(ranks)):
+@pytest.mark.parametrize("variant", ["fast", "recompute"])
+def test_the_fast_attention_and_recompute_equal_the_hf_model(ranks, reference, variant):
+    """The fast attention at CP 2 and CP 4; the core attention recomputed at CP 2 (two-rank spawn)."""
+    checked = [(where, result[variant]) for where, _, result in _each(ranks) if variant in result]
+    if not checked:
+        pytest.skip(f"{variant}: checked in the two-rank spawn")
+    for where, ours in checked:
+        for number, (logprobs, theirs) in enumerate(zip(ours["logprobs"], reference["alone"], strict=True)):
+            assert _max_diff(logprobs, theirs) <= LOGPROB_TOLERANCE, (where, number)
+        assert _max_diff(ours["cut"], reference["cut"]) <= LOGPROB_TOLERANCE, (where, f"rows of {CUT} tokens")
         for name, expected in reference["packed_grads"].items():
             if not expected.any():  # the indexer (a top-k of indices), an expert that no token chose
-                assert not result["recompute_grads"][name].any(), (rank, name)
+                assert not ours["grads"][name].any(), (where, name)
                 continue
-            error = _relative_error(result["recompute_grads"][name], expected)
-            assert error <= GRADIENT_TOLERANCE, (rank, name, error)
+            error = _relative_error(ours["grads"][name], expected)
+            assert error <= GRADIENT_TOLERANCE, (where, name, error)
 
 
 def _with_mtp(ranks):
@@ -357,8 +371,6 @@ def test_mtp_loss_gradients_summed_over_the_group_equal_those_without_context_pa
 def test_what_context_parallelism_refuses(ranks):
     for rank, result in enumerate(_at_cp2(ranks)):
         assert result["refused"] == {
-            "fast": "DeepSeek-V4: context parallel size 2 runs the exact attention only (the fast one attends each "
-                    "sequence's consecutive tokens): build it with attention='exact'",
             "routing replay": "DeepSeek-V4: routing replay with context parallel size 2 is not supported (the "
                               "replayed expert ids would be each rank's share of the tokens); replay without "
                               "context parallelism",

@@ -24,9 +24,9 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from modelzoo.attention import visible_keys
-from modelzoo.context_parallel import gather_keys
+from modelzoo.context_parallel import gather_in_row_order, gather_keys
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
-from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility
+from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility, runs_of_sequence
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
@@ -125,10 +125,6 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"DeepSeek-V4: attention={attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
-        if attention == "fast" and config.context_parallel_size > 1:
-            raise ValueError(f"DeepSeek-V4: context parallel size {config.context_parallel_size} runs the exact "
-                             f"attention only (the fast one attends each sequence's consecutive tokens): build it "
-                             f"with attention='exact'")
         self.attention = attention
         tp = config.tensor_model_parallel_size
         heads, head_dim = args.num_heads, args.head_dim
@@ -159,19 +155,27 @@ class DeepseekV4Attention(nn.Module):
                              layout: TokenLayout) -> torch.Tensor:
         """The fast path on a packed or padded batch: each sequence's queries against its own window keys and its
         own compressed entries, as it would run alone (work and memory in each sequence's own length, not the
-        row's); padding tokens get zeros. q [B, S, h, D], kv [B, S + E, D] -> [B, S, h, D]."""
-        seq_len = q.shape[1]
-        spans = compressed.windows.per_sequence(layout) if compressed is not None else None
+        row's); padding tokens get zeros. q [B, S, h, D], kv [B, S + E, D] -> [B, S, h, D].
+
+        Under context parallelism kv holds the whole rows (every rank's tokens in row order, then the entries) and
+        a sequence's queries here are runs of consecutive positions (its chunks on this rank): each run attends
+        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence."""
+        whole = layout.whole_rows()
+        keys_len = whole.shape[1]
+        spans = compressed.windows.per_sequence(whole) if compressed is not None else None
         out = torch.zeros_like(q)
-        for number, (row, start, length) in enumerate(layout.sequences):
-            tokens = slice(start, start + length)
-            keys, picks, ratio = kv[row:row + 1, tokens], None, None
-            if compressed is not None:
-                first_entry, entries = spans[number]
-                keys = torch.cat([keys, kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]], dim=1)
-                picks, ratio = compressed.of_sequence(row, start, length, first_entry)
-            out[row, tokens] = window_sink_attention(q[row:row + 1, tokens], keys, self.sinks, self.scaling,
-                                                     self.sliding_window, picks, ratio)[0]
+        for number, (row, start, length) in enumerate(whole.sequences):
+            for first, position, count in runs_of_sequence(layout, row, start, length):
+                halo = min(position, self.sliding_window - 1)
+                keys, picks, ratio = kv[row:row + 1, start + position - halo:start + position + count], None, None
+                if compressed is not None:
+                    first_entry, entries = spans[number]
+                    own = kv[row:row + 1, keys_len + first_entry:keys_len + first_entry + entries]
+                    keys = torch.cat([keys, own], dim=1)
+                    picks, ratio = compressed.of_sequence(row, first, count, first_entry)
+                out[row, first:first + count] = window_sink_attention(
+                    q[row:row + 1, first:first + count], keys, self.sinks, self.scaling, self.sliding_window, picks,
+                    ratio, position, halo)[0]
         return out
 
     def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
@@ -179,8 +183,10 @@ class DeepseekV4Attention(nn.Module):
         """Compressor, indexer and attention of the queries q [B, S, h, D] over the window's K = V kv [B, 1, S, D]
         and the compressed entries -> [B, S, h, D] (still rotated)."""
         batch, seq_len = q.shape[:2]
-        if layout.context_parallel_keys is not None:  # this rank's queries over every rank's window keys
-            kv = gather_keys(kv, layout.context_parallel_keys.context_parallel)
+        keys = layout.context_parallel_keys
+        if keys is not None:  # this rank's queries over every rank's window keys: exact in the keys' order, fast in rows
+            kv = gather_keys(kv, keys.context_parallel) if self.attention == "exact" else \
+                gather_in_row_order(kv[:, 0], keys).unsqueeze(1)
         compressed = None
         if self.compressor is not None:
             compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)

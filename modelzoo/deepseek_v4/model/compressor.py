@@ -134,6 +134,23 @@ def queries_of_sequence(layout: TokenLayout, row: int, start: int, length: int) 
     return torch.nonzero(layout.segment_ids[row] == segment)[:, 0]
 
 
+def runs_of_sequence(layout: TokenLayout, row: int, start: int, length: int) -> list[tuple[int, int, int]]:
+    """(first token in this layout's row, its position in the sequence, tokens) of each run of consecutive positions
+    that this layout holds of the sequence of `layout.whole_rows().sequences` at (row, start, length): the whole
+    sequence, or under context parallelism this rank's chunks of it (none, one, or two)."""
+    if layout.context_parallel_keys is None:
+        return [(start, 0, length)]
+    tokens = queries_of_sequence(layout, row, start, length).tolist()
+    positions = layout.positions[row, tokens].tolist()
+    runs = []
+    for token, position in zip(tokens, positions):
+        if runs and token == runs[-1][0] + runs[-1][2] and position == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([token, position, 1])
+    return [tuple(run) for run in runs]
+
+
 def window_inputs(linear_kv: nn.Module, linear_gate: nn.Module, hidden_states: torch.Tensor,
                   layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """The projections [B, S, width] a compressor pools, of the whole rows: under context parallelism each rank

@@ -76,7 +76,7 @@ class _Chunk:
     `picked_keys` [B * n * W, k, D]; scores and probabilities run over both, in that order.
     """
 
-    def __init__(self, q, kv, compressed, picks, ratio, window, first, last):
+    def __init__(self, q, kv, compressed, picks, ratio, window, first, last, first_position=0, halo=0):
         batch, _, heads, dim = q.shape
         self.batch, self.heads, self.blocks, self.window = batch, heads, last - first, window
         self.rows_slice = slice(first * window, last * window)
@@ -84,10 +84,10 @@ class _Chunk:
         blocks = kv[:, first * window:(last + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
         query = torch.arange(first * window, last * window, device=q.device).view(-1, window, 1)
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
-        visible = (in_window(query, key, window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
+        visible = (in_window(query, key, window) & (key >= -halo)).view(1, self.blocks, window, 1, -1)
         if compressed is not None and picks is None:  # HCA: every complete window
             blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
-            complete = torch.arange(compressed.shape[1], device=q.device) < (query + 1) // ratio
+            complete = torch.arange(compressed.shape[1], device=q.device) < (query + first_position + 1) // ratio
             visible = torch.cat([visible, complete.view(1, self.blocks, window, 1, -1)], -1)
         self.keys = blocks.reshape(batch * self.blocks, -1, dim)                           # [B * n, 2W (+ C), D]
         self.shared_keys = self.keys.shape[1]
@@ -161,7 +161,7 @@ class _Chunk:
         compressed_grad.view(-1, compressed_grad.shape[-1]).index_add_(0, flat_picks.flatten(), picked_grad.flatten(0, 1))
 
 
-def _chunks(q, kv, compressed, picks, ratio, window):
+def _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
     blocks = q.shape[1] // window
     keys = 2 * window + (0 if compressed is None else picks.shape[-1] if picks is not None else compressed.shape[1])
     per_block = window * q.shape[2] * keys                      # scores
@@ -169,20 +169,21 @@ def _chunks(q, kv, compressed, picks, ratio, window):
         per_block += window * picks.shape[-1] * q.shape[-1]     # each query's gathered entries
     per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * per_block))
     for first in range(0, blocks, per_chunk):
-        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks))
+        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks), first_position,
+                     halo)
 
 
 class _WindowSinkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, compressed, picks, sinks, scale, window, ratio):
+    def forward(ctx, q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for chunk in _chunks(q, kv, compressed, picks, ratio, window):
+        for chunk in _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
             probs, lse_chunk = _probabilities(chunk.scores(q), chunk.visible, sinks, scale, q.dtype)
             out[:, chunk.rows_slice] = chunk.weighted_keys(probs)
             lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
         ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
-        ctx.scale, ctx.window, ctx.ratio = scale, window, ratio
+        ctx.scale, ctx.window, ctx.ratio, ctx.first_position, ctx.halo = scale, window, ratio, first_position, halo
         return out
 
     @staticmethod
@@ -195,7 +196,7 @@ class _WindowSinkAttention(torch.autograd.Function):
         compressed_grad = None if compressed is None else torch.zeros(
             compressed.shape, dtype=torch.float32, device=q.device)
         sinks_grad = torch.zeros_like(sinks, dtype=torch.float32)
-        for chunk in _chunks(q, kv, compressed, picks, ctx.ratio, ctx.window):
+        for chunk in _chunks(q, kv, compressed, picks, ctx.ratio, ctx.window, ctx.first_position, ctx.halo):
             lse_chunk = chunk.per_query(lse)
             delta, sinks_grad_chunk = _output_terms(chunk.rows(out_grad), chunk.rows(out), lse_chunk, sinks)
             sinks_grad += sinks_grad_chunk
@@ -204,22 +205,29 @@ class _WindowSinkAttention(torch.autograd.Function):
             q_grad[:, chunk.rows_slice] = chunk.weighted_keys(dscores)
             chunk.add_key_grads(kv_grad, compressed_grad, dscores, probs, q, out_grad)
         compressed_grad = None if compressed is None else compressed_grad.to(compressed.dtype)
-        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None, None
+        return (q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None, None,
+                None, None)
 
 
 def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
-                          picks: torch.Tensor | None = None, ratio: int | None = None) -> torch.Tensor:
-    """Sink attention of q [B, S, h, D] over kv [B, S + C, D] (K = V) -> [B, S, h, D], token t at position t.
+                          picks: torch.Tensor | None = None, ratio: int | None = None, first_position: int = 0,
+                          halo: int = 0) -> torch.Tensor:
+    """Sink attention of q [B, S, h, D] over kv [B, halo + S + C, D] (K = V) -> [B, S, h, D], token t at position
+    first_position + t of its sequence.
 
-    Query t sees the window keys t - window < s <= t and, of the C compressed entries (kv rows S + c), those in
-    `picks` [B, S, k] (entry ids, -1 for none; CSA) or, without picks, the complete windows c < (t + 1) // ratio
-    (HCA). The same result as `eager_sink_attention` with that mask.
+    Query t sees the window keys t - window < s <= t and, of the C compressed entries (kv rows halo + S + c), those
+    in `picks` [B, S, k] (entry ids, -1 for none; CSA) or, without picks, the complete windows
+    c < (first_position + t + 1) // ratio (HCA). kv's first `halo` rows (< window) are the window keys just before
+    the queries (under context parallelism, where a rank's run of a sequence starts past its first token). The same
+    result as `eager_sink_attention` with that mask.
     """
     seq_len = q.shape[1]
+    if not 0 <= halo < window:
+        raise ValueError(f"window_sink_attention: halo {halo} must be at least 0 and less than the window {window}")
     pad = -seq_len % window
     compressed = None
-    if kv.shape[1] > seq_len:
-        compressed = kv[:, seq_len:]
+    if kv.shape[1] > halo + seq_len:
+        compressed = kv[:, halo + seq_len:]
         if picks is None and ratio is None:
             raise ValueError("window_sink_attention: compressed entries need the query's picks or the window ratio")
     if picks is not None and (compressed is None or picks.shape[-1] == 0):
@@ -228,6 +236,7 @@ def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor
         picks = torch.nn.functional.pad(picks, (0, 0, 0, pad), value=-1)
     if pad:  # padded queries are zeros whose outputs are dropped; padded keys follow every real query
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
-    window_kv = torch.nn.functional.pad(kv[:, :seq_len], (0, 0, window, pad))               # [B, W + S', D]
-    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, picks, sinks, scale, window, ratio)
+    window_kv = torch.nn.functional.pad(kv[:, :halo + seq_len], (0, 0, window - halo, pad))   # [B, W + S', D]
+    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, picks, sinks, scale, window, ratio,
+                                     first_position, halo)
     return out[:, :seq_len]
