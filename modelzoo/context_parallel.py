@@ -12,7 +12,9 @@ every rank has as much causal attention to compute. Plain rows [b, s] are cut as
 
 A model attends with this rank's queries over the keys and values of every rank (`gather_keys_values`: an
 all-gather forward, a reduce-scatter of their gradients backward), masked by the batch's `TokenLayout`, whose
-`keys` describe every rank's tokens. Memory for keys and values is O(s) per rank; logits and the per-token loss
+`keys` describe every rank's tokens. What every rank computes from the whole rows (DeepSeek-V4's compressed
+entries) reads per-token tensors gathered in row order (`gather_in_row_order`, gradients summed back over the
+group). Memory for keys and values is O(s) per rank; logits and the per-token loss
 stay with the rank's own tokens. Parameter gradients are each rank's share: they are summed over the data-parallel
 group with context parallelism (Megatron's DDP does it, `with_context_parallel=True`).
 """
