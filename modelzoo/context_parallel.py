@@ -12,8 +12,8 @@ every rank has as much causal attention to compute. Plain rows [b, s] are cut as
 
 A model attends with this rank's queries over the keys and values of every rank (`gather_keys_values`: an
 all-gather forward, a reduce-scatter of their gradients backward), masked by the batch's `TokenLayout`, whose
-`keys` describe every rank's tokens. What every rank computes from the whole rows (DeepSeek-V4's compressed
-entries) reads per-token tensors gathered in row order (`gather_in_row_order`, gradients summed back over the
+`keys` describe every rank's tokens. What every rank computes from the whole rows (summaries pooled over windows
+of tokens) reads per-token tensors gathered in row order (`gather_in_row_order`, gradients summed back over the
 group). Memory for keys and values is O(s) per rank; logits and the per-token loss
 stay with the rank's own tokens. Parameter gradients are each rank's share: they are summed over the data-parallel
 group with context parallelism (Megatron's DDP does it, `with_context_parallel=True`).
@@ -61,8 +61,8 @@ def rows_as_packed(input_ids: Tensor, position_ids: Tensor | None = None,
     """Rows [b, s] that the CP ranks cannot split evenly (s no multiple of 2 x CP) as one packed row, each row a
     sequence in a slot padded to a multiple of 2 x CP: (`PackedBatch`, the position ids packed alike or None); None
     when the rows split as they are (or without context parallelism). Padding appended to a row would be read as
-    tokens of its sequence: causal attention never reads it, but DeepSeek-V4's compressor would pool it into an
-    entry; packed, it belongs to no sequence."""
+    tokens of its sequence: causal attention never reads it, but a model that pools windows of tokens would pool it
+    with them; packed, it belongs to no sequence."""
     context_parallel = _this_rank(context_parallel)
     if context_parallel is None or input_ids.shape[1] % (2 * context_parallel.size) == 0:
         return None
@@ -105,7 +105,7 @@ class _GatherTokens(torch.autograd.Function):
 def gather_in_row_order(local: Tensor, keys: KeyTokens) -> Tensor:
     """Every CP rank's [b, s / CP, ...] share of a per-token tensor -> the whole [b, s, ...] in row order, on every
     rank (collective; `keys` is the layout's `context_parallel_keys`). For what every rank computes from the whole
-    rows (DeepSeek-V4's compressed entries): backward, each rank receives the sum over the group of its tokens'
+    rows (summaries pooled over windows of tokens): backward, each rank receives the sum over the group of its tokens'
     gradients (a reduce-scatter), since every rank's loss reads every token through its own copy."""
     context_parallel = keys.context_parallel
     in_key_order = _GatherSequence.apply(local, context_parallel.group, context_parallel.size, 1)

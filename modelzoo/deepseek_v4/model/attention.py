@@ -184,7 +184,7 @@ class DeepseekV4Attention(nn.Module):
         and the compressed entries -> [B, S, h, D] (still rotated)."""
         batch, seq_len = q.shape[:2]
         keys = layout.context_parallel_keys
-        if keys is not None:  # this rank's queries over every rank's window keys: exact in the keys' order, fast in rows
+        if keys is not None:  # this rank's queries over every rank's window keys (exact: in the keys' order)
             kv = gather_keys(kv, keys.context_parallel) if self.attention == "exact" else \
                 gather_in_row_order(kv[:, 0], keys).unsqueeze(1)
         compressed = None
