@@ -334,10 +334,14 @@ class ModelProvider:
         """`next_token_logprobs` of the whole batch from this CP rank's share of it: each token's target is read
         from the whole row before it is split, and the per-token result is gathered back."""
         seq = input_ids.shape[1]
+        packed_rows = None if packed_seq_params is not None else context_parallel.rows_as_packed(input_ids,
+                                                                                                  position_ids)
+        if packed_rows is not None:  # rows the ranks cannot split evenly: each row a sequence in a padded slot
+            batch, positions = packed_rows
+            logprobs = self._context_parallel_logprobs(model, batch.input_ids, positions, attention_mask,
+                                                       batch.packed_seq_params)
+            return torch.stack([logprobs[0, start:start + seq - 1] for start in batch.offsets])
         targets = input_ids.roll(-1, dims=1)
-        if packed_seq_params is None:  # rows: right-padded to a multiple of 2 x CP, which no real token attends to
-            input_ids, targets, position_ids = (context_parallel.pad_rows(tensor) for tensor in
-                                                (input_ids, targets, position_ids))
         local_ids, local_targets, local_positions = (context_parallel.split_for_rank(tensor, packed_seq_params)
                                                      for tensor in (input_ids, targets, position_ids))
         logits = model(local_ids, local_positions, attention_mask, packed_seq_params=packed_seq_params)
@@ -380,8 +384,15 @@ class ModelProvider:
         from megatron.core import parallel_state
 
         seq, packed_seq_params = input_ids.shape[1], call.get("packed_seq_params")
-        if packed_seq_params is None:
-            input_ids = context_parallel.pad_rows(input_ids)
+        packed_rows = None if packed_seq_params is not None else context_parallel.rows_as_packed(
+            input_ids, call.get("position_ids"))
+        if packed_rows is not None:  # rows the ranks cannot split evenly: each row a sequence in a padded slot
+            batch, positions = packed_rows
+            call = {**call, "packed_seq_params": batch.packed_seq_params}
+            if positions is not None:
+                call["position_ids"] = positions
+            logits = self.gathered_logits(model, batch.input_ids, **call)
+            return torch.stack([logits[0, start:start + seq] for start in batch.offsets])
         local = self.forward(model, context_parallel.split_for_rank(input_ids, packed_seq_params),
                              **call).contiguous()
         shards = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]

@@ -112,6 +112,20 @@ class TokenLayout:
         index = torch.arange(self.shape[1], device=self.segment_ids.device)
         return KeyTokens(self.segment_ids, self.positions, index, index)
 
+    def whole_rows(self) -> TokenLayout:
+        """Under context parallelism the layout of the whole rows this rank's share comes from (every rank's tokens,
+        in row order; RoPE positions are each token's position in its sequence); the layout itself otherwise."""
+        keys = self.context_parallel_keys
+        if keys is None:
+            return self
+        if "whole rows" not in self.derived:  # once per forward, read by every layer
+            order = keys.index.argsort()
+            segment_ids, positions = keys.segment_ids[:, order], keys.positions[:, order]
+            plain = bool((segment_ids == 0).all()) and torch.equal(positions, order.expand_as(positions))
+            self.derived["whole rows"] = TokenLayout(segment_ids, positions, positions, None, plain=plain,
+                                                     longest=self.longest, rope_length=self.longest)
+        return self.derived["whole rows"]
+
     def visible(self, window: int | None = None) -> Tensor:
         """[b, s, keys] bool, True where query t may attend to key u: same sequence (or allowed by the caller's
         mask), u <= t in the row, and within `window` positions when given; a query that sees nothing sees itself."""

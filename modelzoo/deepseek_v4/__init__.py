@@ -51,6 +51,7 @@ class DeepseekV4Provider(ModelProvider):
     hf_model_types = ("deepseek_v4",)
     hf_architectures = ("DeepseekV4ForCausalLM",)
     has_experts = True
+    supports_context_parallel = True
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False, **config_overrides):

@@ -63,16 +63,24 @@ def hf_logprobs_and_grads(folder: Path, input_ids: torch.Tensor, scratch: Path):
     save_pretrained of the model with every parameter replaced by its gradient names the gradients
     exactly as the checkpoint names the weights (experts split per expert, native leaf names).
     """
-    from safetensors.torch import load_file
-
     model = hf_model(folder)
     logprobs = hf_token_logprobs(model, input_ids)
     (-logprobs.mean()).backward()
+    return logprobs.detach(), hf_grads_by_name(model, scratch)
+
+
+def hf_grads_by_name(model, scratch: Path) -> dict[str, torch.Tensor]:
+    """The HF model's gradients by checkpoint name (save_pretrained of the model with every parameter replaced by
+    its gradient); the parameters are restored and their gradients cleared."""
+    from safetensors.torch import load_file
+
+    weights = {param: param.data for param in model.parameters()}
     for param in model.parameters():
         param.data = param.grad if param.grad is not None else torch.zeros_like(param)
     model.save_pretrained(scratch)
-    grads = {name: g for name, g in load_file(scratch / "model.safetensors").items() if not name.endswith(BUFFERS)}
-    return logprobs.detach(), grads
+    for param, data in weights.items():
+        param.data, param.grad = data, None
+    return {name: g for name, g in load_file(scratch / "model.safetensors").items() if not name.endswith(BUFFERS)}
 
 
 def megatron_grads_as_hf(provider, model) -> dict[str, torch.Tensor]:
@@ -110,3 +118,49 @@ def hf_float64_grads(folder: Path, input_ids: torch.Tensor, scratch: Path) -> di
         param.data = param.grad if param.grad is not None else torch.zeros_like(param)
     model.save_pretrained(scratch)
     return {name: g for name, g in load_file(scratch / "model.safetensors").items() if not name.endswith(BUFFERS)}
+
+
+def reference_mtp_logits(folder: Path, scratch: Path, ids: torch.Tensor) -> torch.Tensor:
+    """MTP depth 1 by its published formulation (DeepSeek-V3 §2.2, V4's reference `MTPBlock`) on transformers'
+    modules: the main model's final hyper-connection streams h, then
+        logits_i = head(norm(hc_head(Block(e_proj(enorm(Emb(t_{i+1}))) + h_proj(hnorm(h_i))))))
+    with `Block` transformers' DeepseekV4DecoderLayer (sliding attention, learned router) holding the mtp.0.* weights
+    (a 1-layer model saved to `scratch`); t_{i+1} past the end is token 0."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    block = {name.replace("mtp.0.", "model.layers.0.").replace(".attn.kv_norm.", ".attn.norm."): tensor
+             for name, tensor in weights.items()
+             if name.startswith("mtp.0.") and name.split(".")[2] not in ("enorm", "hnorm", "norm", "e_proj", "h_proj")
+             and not name.startswith("mtp.0.hc_head")}
+    block |= {"model.embed_tokens.weight": weights["model.embed_tokens.weight"], "head.weight": weights["head.weight"],
+              "model.norm.weight": weights["mtp.0.norm.weight"],
+              **{f"model.hc_head.hc_{p}": weights[f"mtp.0.hc_head_{p}"] for p in ("fn", "base", "scale")}}
+    scratch.mkdir(exist_ok=True)
+    save_file(block, scratch / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    DeepseekV4Config.from_dict({
+        **config, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"],
+        "num_nextn_predict_layers": 0}).save_pretrained(scratch)
+    one_layer, info = DeepseekV4ForCausalLM.from_pretrained(scratch, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    one_layer.eval()
+
+    main = hf_model(folder)
+    captured = {}
+    main.model.hc_head.register_forward_pre_hook(lambda module, args: captured.update(streams=args[0]))
+    main(ids, use_cache=False)
+    streams = captured["streams"]                                          # [B, S, hc, hidden]
+
+    def rms(x, weight, eps=config["rms_norm_eps"]):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)   # t_{i+1}
+    e = rms(main.model.embed_tokens(next_tokens), weights["mtp.0.enorm.weight"])
+    h = rms(streams, weights["mtp.0.hnorm.weight"])
+    x = F.linear(e, weights["mtp.0.e_proj.weight"]).unsqueeze(2) + F.linear(h, weights["mtp.0.h_proj.weight"])
+    position_ids, embeddings, mask = hf_layer_inputs(one_layer, x[:, :, 0])
+    x = one_layer.model.layers[0](x, position_embeddings=embeddings, position_ids=position_ids, attention_mask=mask,
+                                  input_ids=next_tokens)
+    return one_layer.lm_head(one_layer.model.norm(one_layer.model.hc_head(x)))

@@ -5,7 +5,7 @@ assembled here from the published formulation (DeepSeek-V3 §2.2 / the V4 refere
     logits_i = head(norm(hc_head(Block(h'))))                      predicts t_{i+2}
 
 with transformers' own DeepseekV4DecoderLayer (a sliding-attention, learned-router layer, loaded
-with the mtp.0.* weights) as `Block`, and plain torch for the rest.
+with the mtp.0.* weights) as `Block`, and plain torch for the rest (dsv4_helpers.reference_mtp_logits).
 
 MTP_TOLERANCE = 1e-4 (max |diff| of MTP logits): the chain is the main model (4 layers) plus one
 block in fp32, the same order of ops (measured: bit-identical). A wrong shift, norm or projection is O(1).
@@ -15,14 +15,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from dsv4_helpers import VOCAB, hf_layer_inputs, hf_model, max_diff, provider_for, random_tokens, write_tiny
-from safetensors.torch import load_file, save_file
-from transformers import DeepseekV4ForCausalLM
+from dsv4_helpers import VOCAB, max_diff, provider_for, random_tokens, reference_mtp_logits, write_tiny
 
 from modelzoo import runtime
 from modelzoo.deepseek_v4.model.mtp import mtp_loss, shift_left, shifted_cross_entropy
-from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY
 
 MTP_TOLERANCE = 1e-4
 
@@ -51,50 +47,10 @@ def test_shift_and_uniform_loss_by_hand():
         assert per_token.shape == (2, 6) and has_target.tolist() == [[True] * 4 + [False] * 2] * 2
 
 
-def _reference_mtp_logits(tiny, tmp_path, ids):
-    """The formulation above on transformers' modules (main model + a 1-layer model holding mtp.0)."""
-    weights = load_file(tiny / "model.safetensors")
-    block = {name.replace("mtp.0.", "model.layers.0.").replace(".attn.kv_norm.", ".attn.norm."): tensor
-             for name, tensor in weights.items()
-             if name.startswith("mtp.0.") and name.split(".")[2] not in ("enorm", "hnorm", "norm", "e_proj", "h_proj")
-             and not name.startswith("mtp.0.hc_head")}
-    block |= {"model.embed_tokens.weight": weights["model.embed_tokens.weight"], "head.weight": weights["head.weight"],
-              "model.norm.weight": weights["mtp.0.norm.weight"],
-              **{f"model.hc_head.hc_{p}": weights[f"mtp.0.hc_head_{p}"] for p in ("fn", "base", "scale")}}
-    folder = tmp_path / "mtp-block"
-    folder.mkdir()
-    save_file(block, folder / "model.safetensors", metadata={"format": "pt"})
-    config = DeepseekV4ForCausalLM.config_class.from_dict({
-        **DEEPSEEK_V4_TINY, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"],
-        "num_nextn_predict_layers": 0})
-    config.save_pretrained(folder)
-    one_layer, info = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    one_layer.eval()
-
-    main = hf_model(tiny)
-    captured = {}
-    main.model.hc_head.register_forward_pre_hook(lambda module, args: captured.update(streams=args[0]))
-    main(ids, use_cache=False)
-    streams = captured["streams"]                                          # [B, S, hc, hidden]
-
-    def rms(x, weight, eps=DEEPSEEK_V4_TINY["rms_norm_eps"]):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    next_tokens = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)   # t_{i+1}
-    e = rms(main.model.embed_tokens(next_tokens), weights["mtp.0.enorm.weight"])
-    h = rms(streams, weights["mtp.0.hnorm.weight"])
-    x = F.linear(e, weights["mtp.0.e_proj.weight"]).unsqueeze(2) + F.linear(h, weights["mtp.0.h_proj.weight"])
-    position_ids, embeddings, mask = hf_layer_inputs(one_layer, x[:, :, 0])
-    x = one_layer.model.layers[0](x, position_embeddings=embeddings, position_ids=position_ids, attention_mask=mask,
-                                  input_ids=next_tokens)
-    return one_layer.lm_head(one_layer.model.norm(one_layer.model.hc_head(x)))
-
-
 def test_mtp_logits_match_the_published_formulation(tiny, tmp_path):
     ids = random_tokens()
     with torch.no_grad():
-        reference = _reference_mtp_logits(tiny, tmp_path, ids)
+        reference = reference_mtp_logits(tiny, tmp_path / "mtp-block", ids)
         with runtime.parallel():
             provider = provider_for(tiny)
             model = provider.provide()

@@ -1,8 +1,8 @@
 """window_sink_attention (attention="fast": dense blocks of GEMMs) against a per-query float64 oracle.
 
 The oracle is written here from the definition, one query at a time: softmax over the query's visible
-keys (window t - W < s <= t, then its visible compressed entries) and the head's sink logit, times the
-values, with the sink adding none. TOLERANCE = 1e-5 (max |diff|, outputs and gradients of O(1)): the
+keys (window t - W < s <= t, then its visible compressed entries, from a dense mask built here from the picks or
+the window ratio) and the head's sink logit, times the values, with the sink adding none. TOLERANCE = 1e-5 (max |diff|, outputs and gradients of O(1)): the
 function computes in fp32 (scores accumulated in fp32, fp32 softmax), ~1e-7 relative per op over sums
 of tens of terms; a wrong mask, block edge or sink term is off by > 1e-2.
 """
@@ -37,23 +37,30 @@ CASES = {
     # name: (batch, seq_len, compressed entries, window, visibility of the compressed entries)
     "sliding, length not a multiple of the window": (2, 37, 0, 8, None),
     "sliding, window as long as the sequence": (1, 16, 0, 16, None),
-    "CSA-like: random picks per query": (2, 45, 11, 8, "random"),
-    "HCA-like: complete windows, one rule for the batch": (1, 40, 5, 8, "causal"),
+    "CSA-like: each query's own picks, some slots empty": (2, 45, 11, 8, "picks"),
+    "HCA-like: the complete windows (ratio 8)": (1, 40, 5, 8, "ratio"),
 }
+PICKS = 4      # entries per query in the CSA-like case
+RATIO = 8      # tokens per entry in the HCA-like case
 
 
 def _inputs(batch, seq_len, compressed_len, visibility, heads=3, dim=16, seed=0):
+    """-> q, kv, sinks, picks (or None), ratio (or None) and the dense [B or 1, S, C] visibility for the oracle."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq_len, heads, dim, generator=generator)
     kv = torch.randn(batch, seq_len + compressed_len, dim, generator=generator)
     sinks = torch.randn(heads, generator=generator)
-    visible = None
-    if visibility == "random":
-        visible = torch.rand(batch, seq_len, compressed_len, generator=generator) < 0.5
-    elif visibility == "causal":
-        visible = torch.arange(compressed_len) < (torch.arange(seq_len)[:, None] + 1) // 8
-        visible = visible[None]
-    return q, kv, sinks, visible
+    picks = ratio = visible = None
+    if visibility == "picks":  # distinct entries per query, as a top-k gives them; about a quarter of the slots empty
+        picks = torch.rand(batch, seq_len, compressed_len, generator=generator).argsort(-1)[..., :PICKS]
+        picks = picks.masked_fill(torch.rand(picks.shape, generator=generator) < 0.25, -1)
+        visible = torch.zeros(batch, seq_len, compressed_len + 1, dtype=torch.bool)
+        visible.scatter_(-1, torch.where(picks >= 0, picks, compressed_len), True)
+        visible = visible[..., :compressed_len]
+    elif visibility == "ratio":
+        ratio = RATIO
+        visible = (torch.arange(compressed_len) < (torch.arange(seq_len)[:, None] + 1) // RATIO)[None]
+    return q, kv, sinks, picks, ratio, visible
 
 
 @pytest.mark.parametrize("score_budget", [2**27, 300], ids=["one chunk", "chunks of one block"])
@@ -61,11 +68,11 @@ def _inputs(batch, seq_len, compressed_len, visibility, heads=3, dim=16, seed=0)
 def test_matches_the_oracle_forward_and_backward(case, score_budget, monkeypatch):
     monkeypatch.setattr(window_attention, "SCORE_BUDGET", score_budget)
     batch, seq_len, compressed_len, window, visibility = CASES[case]
-    q, kv, sinks, visible = _inputs(batch, seq_len, compressed_len, visibility)
+    q, kv, sinks, picks, ratio, visible = _inputs(batch, seq_len, compressed_len, visibility)
     scale = q.shape[-1] ** -0.5
     inputs = [t.requires_grad_() for t in (q, kv, sinks)]
     reference_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    ours = window_sink_attention(*inputs, scale, window, visible)
+    ours = window_sink_attention(*inputs, scale, window, picks, ratio)
     reference = oracle(*reference_inputs, scale, window, visible)
     assert ours.shape == reference.shape and ours.dtype == q.dtype
     assert (ours.double() - reference).abs().max().item() <= TOLERANCE
@@ -78,9 +85,9 @@ def test_matches_the_oracle_forward_and_backward(case, score_budget, monkeypatch
 
 
 def test_bf16_inputs_give_bf16_outputs_and_gradients():
-    q, kv, sinks, visible = _inputs(1, 24, 4, "random")
+    q, kv, sinks, picks, _, _ = _inputs(1, 24, 4, "picks")
     q, kv = q.bfloat16().requires_grad_(), kv.bfloat16().requires_grad_()
     sinks.requires_grad_()
-    out = window_sink_attention(q, kv, sinks, 0.25, 8, visible)
+    out = window_sink_attention(q, kv, sinks, 0.25, 8, picks)
     out.float().sum().backward()
     assert out.dtype == q.grad.dtype == kv.grad.dtype == torch.bfloat16 and sinks.grad.dtype == torch.float32

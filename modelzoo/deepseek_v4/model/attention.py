@@ -11,8 +11,9 @@
 `attention="exact"` is the eager math of transformers (the parity path), carried out in fp32 and
 rounded once at the end like the fused kernel: it materialises the [B, heads, S, S + compressed] scores.
 `attention="fast"` is `window_sink_attention` (model/window_attention.py): each block of `window` queries
-against its window keys and the compressed entries as batched GEMMs, the same math on CPU and GPU; in packed
-and padded batches it runs each sequence against its own keys and entries.
+against its window keys as batched GEMMs, with every complete HCA entry or each query's own CSA picks (never a
+[S, entries] mask), the same math on CPU and GPU; in packed and padded batches it runs each sequence against its
+own keys and entries.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from modelzoo.attention import visible_keys
+from modelzoo.context_parallel import gather_in_row_order, gather_keys
 from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
-from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility
+from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility, runs_of_sequence
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
@@ -153,20 +155,27 @@ class DeepseekV4Attention(nn.Module):
                              layout: TokenLayout) -> torch.Tensor:
         """The fast path on a packed or padded batch: each sequence's queries against its own window keys and its
         own compressed entries, as it would run alone (work and memory in each sequence's own length, not the
-        row's); padding tokens get zeros. q [B, S, h, D], kv [B, S + E, D] -> [B, S, h, D]."""
-        seq_len = q.shape[1]
-        spans = compressed.windows.per_sequence(layout) if compressed is not None else None
+        row's); padding tokens get zeros. q [B, S, h, D], kv [B, S + E, D] -> [B, S, h, D].
+
+        Under context parallelism kv holds the whole rows (every rank's tokens in row order, then the entries) and
+        a sequence's queries here are runs of consecutive positions (its chunks on this rank): each run attends
+        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence."""
+        whole = layout.whole_rows()
+        keys_len = whole.shape[1]
+        spans = compressed.windows.per_sequence(whole) if compressed is not None else None
         out = torch.zeros_like(q)
-        for number, (row, start, length) in enumerate(layout.sequences):
-            tokens = slice(start, start + length)
-            keys, visible = kv[row:row + 1, tokens], None
-            if compressed is not None:
-                first_entry, entries = spans[number]
-                own = kv[row:row + 1, seq_len + first_entry:seq_len + first_entry + entries]
-                keys, visible = torch.cat([keys, own], dim=1), compressed.of_sequence(row, start, length, first_entry,
-                                                                                      entries)
-            out[row, tokens] = window_sink_attention(q[row:row + 1, tokens], keys, self.sinks, self.scaling,
-                                                     self.sliding_window, visible)[0]
+        for number, (row, start, length) in enumerate(whole.sequences):
+            for first, position, count in runs_of_sequence(layout, row, start, length):
+                halo = min(position, self.sliding_window - 1)
+                keys, picks, ratio = kv[row:row + 1, start + position - halo:start + position + count], None, None
+                if compressed is not None:
+                    first_entry, entries = spans[number]
+                    own = kv[row:row + 1, keys_len + first_entry:keys_len + first_entry + entries]
+                    keys = torch.cat([keys, own], dim=1)
+                    picks, ratio = compressed.of_sequence(row, first, count, first_entry)
+                out[row, first:first + count] = window_sink_attention(
+                    q[row:row + 1, first:first + count], keys, self.sinks, self.scaling, self.sliding_window, picks,
+                    ratio, position, halo)[0]
         return out
 
     def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
@@ -174,6 +183,10 @@ class DeepseekV4Attention(nn.Module):
         """Compressor, indexer and attention of the queries q [B, S, h, D] over the window's K = V kv [B, 1, S, D]
         and the compressed entries -> [B, S, h, D] (still rotated)."""
         batch, seq_len = q.shape[:2]
+        keys = layout.context_parallel_keys
+        if keys is not None:  # this rank's queries over every rank's window keys (exact: in the keys' order)
+            kv = gather_keys(kv, keys.context_parallel) if self.attention == "exact" else \
+                gather_in_row_order(kv[:, 0], keys).unsqueeze(1)
         compressed = None
         if self.compressor is not None:
             compressed_kv, compressed = self.compressor(hidden_states, q_residual, position_ids, layout)
@@ -182,14 +195,14 @@ class DeepseekV4Attention(nn.Module):
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
 
         if self.attention == "fast" and layout.plain:
-            visible = None if compressed is None else compressed.dense(layout)
-            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, visible)
+            picks, ratio = (None, None) if compressed is None else (compressed.picks, compressed.windows.ratio)
+            out = window_sink_attention(q, kv[:, 0], self.sinks, self.scaling, self.sliding_window, picks, ratio)
         elif self.attention == "fast":
             out = self.attend_each_sequence(q, kv[:, 0], compressed, layout)
         else:
             allowed = visible_keys(seq_len, self.sliding_window, layout, q.device)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
-            mask = mask.expand(batch, 1, seq_len, seq_len)
+            mask = mask.expand(batch, 1, seq_len, -1)
             if compressed is not None:
                 compressed_bias = torch.zeros(compressed.dense(layout).shape, dtype=q.dtype, device=q.device)
                 compressed_bias = compressed_bias.masked_fill(~compressed.dense(layout), float("-inf"))

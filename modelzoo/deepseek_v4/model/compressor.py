@@ -25,6 +25,7 @@ from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
+from modelzoo.context_parallel import gather_in_row_order
 from modelzoo.fused import fused
 from modelzoo.sequences import TokenLayout, plain_layout
 
@@ -115,16 +116,50 @@ class CompressedVisibility:
         picked.scatter_(-1, torch.where(self.picks >= 0, self.picks, self.windows.count), True)
         return picked[..., : self.windows.count]
 
-    def of_sequence(self, row: int, start: int, length: int, first_entry: int, entries: int) -> torch.Tensor:
-        """[1, length, entries] bool: one sequence's queries against its own entries (as that sequence alone)."""
-        device = self.windows.first_token.device
+    def of_sequence(self, row: int, start: int, length: int, first_entry: int) -> tuple[torch.Tensor | None, int]:
+        """One sequence's entries as that sequence alone sees them, in `window_sink_attention`'s terms: its picks
+        [1, length, k] renumbered from its first entry (CSA), or None and the window ratio (HCA)."""
         if self.picks is None:
-            positions = torch.arange(length, device=device)
-            return (torch.arange(entries, device=device) < ((positions + 1) // self.windows.ratio)[:, None])[None]
-        picks = self.picks[row, start:start + length] - first_entry                  # own entries: 0 .. entries - 1
-        picked = torch.zeros(length, entries + 1, dtype=torch.bool, device=device)
-        picked.scatter_(-1, torch.where(self.picks[row, start:start + length] >= 0, picks, entries), True)
-        return picked[None, :, :entries]
+            return None, self.windows.ratio
+        picks = self.picks[row:row + 1, start:start + length]
+        return torch.where(picks >= 0, picks - first_entry, -1), self.windows.ratio
+
+
+def queries_of_sequence(layout: TokenLayout, row: int, start: int, length: int) -> slice | torch.Tensor:
+    """This layout's tokens of the sequence of `layout.whole_rows().sequences` at (row, start, length): the slice
+    of its row, or under context parallelism the indices of this rank's share of it (two chunks, maybe none)."""
+    if layout.context_parallel_keys is None:
+        return slice(start, start + length)
+    segment = layout.whole_rows().segment_ids[row, start]
+    return torch.nonzero(layout.segment_ids[row] == segment)[:, 0]
+
+
+def runs_of_sequence(layout: TokenLayout, row: int, start: int, length: int) -> list[tuple[int, int, int]]:
+    """(first token in this layout's row, its position in the sequence, tokens) of each run of consecutive positions
+    that this layout holds of the sequence of `layout.whole_rows().sequences` at (row, start, length): the whole
+    sequence, or under context parallelism this rank's chunks of it (none, one, or two)."""
+    if layout.context_parallel_keys is None:
+        return [(start, 0, length)]
+    tokens = queries_of_sequence(layout, row, start, length).tolist()
+    positions = layout.positions[row, tokens].tolist()
+    runs = []
+    for token, position in zip(tokens, positions):
+        if runs and token == runs[-1][0] + runs[-1][2] and position == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([token, position, 1])
+    return [tuple(run) for run in runs]
+
+
+def window_inputs(linear_kv: nn.Module, linear_gate: nn.Module, hidden_states: torch.Tensor,
+                  layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projections [B, S, width] a compressor pools, of the whole rows: under context parallelism each rank
+    projects its own tokens and the projections of every rank are gathered in row order (their gradients summed
+    back over the group), so that every rank pools the same entries from whole windows."""
+    kv, gate = linear_kv(hidden_states), linear_gate(hidden_states)
+    if layout.context_parallel_keys is None:
+        return kv, gate
+    return gather_in_row_order(torch.cat([kv, gate], dim=-1), layout.context_parallel_keys).chunk(2, dim=-1)
 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, windows: CompressedWindows,
@@ -170,9 +205,10 @@ class _Compressor(nn.Module):
         self.kv_norm = RMSNorm(head_dim, args.rms_norm_eps)
         self.rotary = RotaryTable(*args.rope_table("compress"))
 
-    def compress(self, hidden_states: torch.Tensor, windows: CompressedWindows) -> torch.Tensor:
-        return pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
-                            windows, self.head_dim, self.overlap, self.kv_norm, self.rotary)
+    def compress(self, hidden_states: torch.Tensor, windows: CompressedWindows, layout: TokenLayout) -> torch.Tensor:
+        kv, gate = window_inputs(self.linear_kv, self.linear_gate, hidden_states, layout)
+        return pool_windows(kv, gate, self.position_bias, windows, self.head_dim, self.overlap, self.kv_norm,
+                            self.rotary)
 
 
 class HCACompressor(_Compressor):
@@ -186,8 +222,8 @@ class HCACompressor(_Compressor):
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
         """-> compressed entries [B, 1, E, D] and which of them each query sees (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
-        windows = CompressedWindows.of(layout, self.ratio)
-        return self.compress(hidden_states, windows).unsqueeze(1), CompressedVisibility(windows)
+        windows = CompressedWindows.of(layout.whole_rows(), self.ratio)
+        return self.compress(hidden_states, windows, layout).unsqueeze(1), CompressedVisibility(windows)
 
 
 class CSACompressor(_Compressor):
@@ -204,8 +240,8 @@ class CSACompressor(_Compressor):
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
         """-> compressed entries [B, 1, E, D] and the indexer's picks per query (layout None: plain rows)."""
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
-        windows = CompressedWindows.of(layout, self.ratio)
-        compressed_kv = self.compress(hidden_states, windows).unsqueeze(1)       # [B, 1, E, D]
+        windows = CompressedWindows.of(layout.whole_rows(), self.ratio)
+        compressed_kv = self.compress(hidden_states, windows, layout).unsqueeze(1)       # [B, 1, E, D]
         picks = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
         return compressed_kv, CompressedVisibility(windows, picks)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from modelzoo.deepseek_v4.config import CSA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
-from modelzoo.deepseek_v4.model.compressor import CompressedWindows, pool_windows
+from modelzoo.deepseek_v4.model.compressor import CompressedWindows, pool_windows, queries_of_sequence, window_inputs
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
     RMSNorm,
@@ -81,9 +81,11 @@ class Indexer(Decider):
         differently)."""
         batch, seq_len, _ = hidden_states.shape
         layout = layout or plain_layout(batch, seq_len, hidden_states.device)
-        windows = windows or CompressedWindows.of(layout, self.ratio)
-        compressed = pool_windows(self.linear_kv(hidden_states), self.linear_gate(hidden_states), self.position_bias,
-                                  windows, self.head_dim, True, self.kv_norm, self.rotary)           # [B, E, d]
+        whole = layout.whole_rows()
+        windows = windows or CompressedWindows.of(whole, self.ratio)
+        kv, gate = window_inputs(self.linear_kv, self.linear_gate, hidden_states, layout)
+        compressed = pool_windows(kv, gate, self.position_bias, windows, self.head_dim, True, self.kv_norm,
+                                  self.rotary)                                                      # [B, E, d]
         cos, sin = self.rotary(position_ids, hidden_states.dtype)
         q = self.linear_q_up_proj(q_residual).view(batch, seq_len, -1, self.head_dim)
         q = apply_rotary(q, cos, sin, unsqueeze_dim=2)                                            # [B, S, h, d]
@@ -92,8 +94,10 @@ class Indexer(Decider):
             return self.decide(self.top_k(q, compressed, head_weights, layout.positions))
         picks = torch.full((batch, seq_len, min(self.topk, windows.count)), -1, dtype=torch.long,
                            device=hidden_states.device)
-        for (row, start, length), (first_entry, entries) in zip(layout.sequences, windows.per_sequence(layout)):
-            tokens, own = slice(start, start + length), slice(first_entry, first_entry + entries)
+        for (row, start, length), (first_entry, entries) in zip(whole.sequences, windows.per_sequence(whole)):
+            tokens, own = queries_of_sequence(layout, row, start, length), slice(first_entry, first_entry + entries)
+            if isinstance(tokens, torch.Tensor) and not len(tokens):  # no token of it on this context-parallel rank
+                continue
             local = self.top_k(q[row:row + 1, tokens], compressed[row:row + 1, own], head_weights[row:row + 1, tokens],
                                layout.positions[row:row + 1, tokens])[0]
             picks[row, tokens, : local.shape[-1]] = torch.where(local >= 0, local + first_entry, -1)

@@ -356,6 +356,9 @@ class DeepseekV4Model(MegatronModule):
             streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
             streams = self.input_streams(input_ids)
+        if layout.context_parallel_keys is not None and deciding(self):
+            raise ValueError("DeepSeek-V4: recording or replaying decisions (routed experts, indexer picks) under "
+                             "context parallelism is not supported: each rank would hold its share of them")
         graphs = self.layer_graphs
         if layout.plain and graphs is not None and graphs.matches(streams, position_ids, input_ids) \
                 and not deciding(self):
@@ -384,7 +387,7 @@ class DeepseekV4Model(MegatronModule):
         """The batch's layout; a general attention mask cannot say where DeepSeek-V4's compressor windows start."""
         layout = gpt_call.input_layout("DeepSeek-V4", input_ids, decoder_input, position_ids, attention_mask,
                                        packed_seq_params, self.args.max_position_embeddings, self.config)
-        if not layout.plain and not layout.contiguous():
+        if not layout.plain and not layout.whole_rows().contiguous():
             raise ValueError("DeepSeek-V4: compressed attention pools windows of each sequence's consecutive tokens; "
                              "this attention_mask is not a padding mask of one run of tokens per row: pass a "
                              "[batch, 1, 1, seq] padding mask (left or right padding) or packed_seq_params")

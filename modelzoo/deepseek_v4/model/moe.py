@@ -64,6 +64,10 @@ class Router(Decider):
         else:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         self.router_replay = None
+        if config.moe_enable_routing_replay and config.context_parallel_size > 1:
+            raise ValueError(f"DeepSeek-V4: routing replay with context parallel size {config.context_parallel_size} "
+                             f"is not supported (the replayed expert ids would be each rank's share of the tokens); "
+                             f"replay without context parallelism")
         if config.moe_enable_routing_replay:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 

@@ -19,12 +19,21 @@ from torch import nn
 from modelzoo.deepseek_v4.config import DeepseekV4Args
 from modelzoo.deepseek_v4.model.hyper_connection import HyperHead
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
+from modelzoo import context_parallel
+from modelzoo.context_parallel import gather_in_row_order
 from modelzoo.logprobs import vocab_parallel_logprobs
 from modelzoo.sequences import TokenLayout, plain_layout
 
 
 def shifted_in_sequences(input_ids: torch.Tensor, layout: TokenLayout, k: int, fill: int = 0):
-    """(t[i + k] of the same sequence at position i, else `fill`; whether it exists) [B, S] each."""
+    """(t[i + k] of the same sequence at position i, else `fill`; whether it exists) [B, S] each.
+
+    Under context parallelism t[i + k] may be another rank's token (at a chunk border): the ids of the whole rows
+    are gathered (integers, no gradient), shifted there, and this rank's tokens taken."""
+    keys = layout.context_parallel_keys
+    if keys is not None:
+        shifted, exists = shifted_in_sequences(gather_in_row_order(input_ids, keys), layout.whole_rows(), k, fill)
+        return shifted[:, keys.query_index], exists[:, keys.query_index]
     seq = input_ids.shape[1]
     shifted = torch.full_like(input_ids, fill)
     exists = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
@@ -96,13 +105,29 @@ def mtp_loss(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor, vocab_size
     """Mean over depths k of the mean CE of depth k against t[i + k + 1] on the positions that have one.
 
     `loss_mask` [B, S] (GPTModel's: weight of the main loss at i, whose target is t[i + 1]) weighs depth k's
-    position i by loss_mask[i + k], the weight of the same target in the main loss, as Megatron does."""
+    position i by loss_mask[i + k], the weight of the same target in the main loss, as Megatron does.
+
+    Under context parallelism the means are over every rank's positions: each rank returns its own positions'
+    share (its weighted sum over the weights' total in the group), so the shares sum over the group to the loss of
+    the whole rows, and so do the gradients."""
+    layout = layout if layout is not None else plain_layout(*input_ids.shape, input_ids.device)
     losses = []
     for k, logits in enumerate(mtp_logits, start=1):
         per_token, exists = shifted_cross_entropy(logits, input_ids, k + 1, vocab_size, layout)
         weights = exists.float()
         if loss_mask is not None:
-            weights = weights * torch.nn.functional.pad(loss_mask.float()[:, k:], (0, k))
-        if weights.sum() > 0:
-            losses.append((per_token * weights).sum() / weights.sum())
+            weights = weights * _ahead(loss_mask.float(), layout, k)
+        total = weights.sum()
+        if layout.context_parallel_keys is not None:
+            total = context_parallel.sum_over_group(total, layout.context_parallel_keys.context_parallel)
+        if total > 0:
+            losses.append((per_token * weights).sum() / total)
     return torch.stack(losses).mean() if losses else mtp_logits[0].new_zeros(())
+
+
+def _ahead(values: torch.Tensor, layout: TokenLayout, k: int) -> torch.Tensor:
+    """values[i + k] of the row at position i (0 past its end), of the whole rows under context parallelism."""
+    keys = layout.context_parallel_keys
+    whole = values if keys is None else gather_in_row_order(values, keys)
+    shifted = torch.nn.functional.pad(whole[:, k:], (0, k))
+    return shifted if keys is None else shifted[:, keys.query_index]

@@ -1,20 +1,25 @@
 """DeepSeek-V4's sink attention as dense blocks of batched GEMMs (`attention="fast"`).
 
-Every query sees at most `window` keys of the sliding window plus C compressed entries (CSA: the
-indexer's top-k of S / 4; HCA: the S / 128 complete windows; sliding layers: none), and all query
-heads read one shared K = V head. So the work is small dense blocks, not a sparse pattern: the W
-queries of block i against their keys
+Every query sees at most `window` keys of the sliding window plus some compressed entries: on CSA layers the
+indexer's top-k picks (k of S / 4), on HCA layers every complete window before it (S / 128), on sliding layers
+none. All query heads read one shared K = V head, so the heads fold into the GEMMs' rows:
 
-    [keys of blocks i-1 and i (2W) ; the C compressed entries]        masked per query
+    window keys    the W queries of block i against the keys of blocks i-1 and i (2W): per block one
+                   [W * heads, D] x [D, 2W] product, which cuBLAS runs near its peak at V4's head_dim 512
+                   (flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to
+                   their backward);
+    entries        the C compressed entries join each block's keys ([D, 2W + C]), masked per query: on HCA
+                   layers by the rule "entry c is complete", c < (t + 1) // ratio, on CSA layers by the query's
+                   picks. The mask is built per chunk of queries, never [S, C] for the sequence, so memory stays
+                   linear in S; the work is O(S x C) = O(S^2 / ratio), since a query's CSA picks are scored against
+                   every entry and masked. Gathering each query's k picks instead (O(S x k) work) was slower on an
+                   H100: [heads, D] x [D, k] products per query are bound by reading the gathered entries.
 
-and because the K = V head is shared, the heads fold into the GEMMs' rows: per block one
-[W * heads, D] x [D, 2W + C] product, which cuBLAS runs near its peak at V4's head_dim 512
-(flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to their backward).
-
-Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32;
-probabilities are rounded to the input dtype only to multiply the values, as flash kernels do. Like
-them the backward recomputes the scores from the saved log-sum-exp instead of saving probabilities,
-and queries run in chunks of blocks so the transient scores stay under `SCORE_BUDGET` elements.
+Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32 over the
+window keys, the entries and the sink together; probabilities are rounded to the input dtype only to multiply
+the values, as flash kernels do. Like them the backward recomputes the scores from the saved log-sum-exp instead
+of saving probabilities, and queries run in chunks of blocks so the transient scores and masks stay
+under `SCORE_BUDGET` elements.
 
 The sink is one more logit per head that takes probability mass and adds no value:
 softmax([s, sink]) . v, and d(sink) = -sum over queries of p_sink * (dO . O).
@@ -66,11 +71,13 @@ def _score_gradients(scores, visible, lse, value_grads, delta, scale: float, dty
 class _Chunk:
     """Query blocks [first, last) of one call: their query rows, keys and mask.
 
-    q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so
-    that block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None.
+    q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so that
+    block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None and joins every block's
+    keys: `keys` [B * n, 2W (+ C), D]. Which entries each query sees (its picks, or the complete windows) is
+    built for this chunk's queries only, [B, n, W, 1, C]: never for the whole sequence.
     """
 
-    def __init__(self, q, kv, compressed, compressed_visible, window, first, last):
+    def __init__(self, q, kv, compressed, picks, ratio, window, first, last, first_position=0, halo=0):
         batch, _, heads, dim = q.shape
         self.batch, self.heads, self.blocks, self.window = batch, heads, last - first, window
         self.rows_slice = slice(first * window, last * window)
@@ -78,13 +85,20 @@ class _Chunk:
         blocks = kv[:, first * window:(last + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
         query = torch.arange(first * window, last * window, device=q.device).view(-1, window, 1)
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
-        visible = (in_window(query, key, window) & (key >= 0)).view(1, self.blocks, window, 1, -1)
+        visible = (in_window(query, key, window) & (key >= -halo)).view(1, self.blocks, window, 1, -1)
         if compressed is not None:
+            entries = compressed.shape[1]
             blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
-            compressed_visible = compressed_visible[:, self.rows_slice].view(-1, self.blocks, window, 1,
-                                                                              compressed.shape[1])
-            visible = torch.cat([visible.expand(compressed_visible.shape[0], -1, -1, -1, -1), compressed_visible], -1)
-        self.keys = blocks.reshape(batch * self.blocks, -1, dim)                           # [B * n, 2W + C, D]
+            if picks is None:  # HCA: every complete window
+                seen = (torch.arange(entries, device=q.device) < (query + first_position + 1) // ratio)[None]
+            else:              # CSA: the query's top-k (-1: an empty slot, scattered past the last entry)
+                chunk_picks = picks[:, self.rows_slice]
+                seen = torch.zeros(*chunk_picks.shape[:2], entries + 1, dtype=torch.bool, device=q.device)
+                seen.scatter_(-1, torch.where(chunk_picks >= 0, chunk_picks, entries), True)
+                seen = seen[..., :entries]
+            seen = seen.reshape(seen.shape[0], self.blocks, window, 1, entries)
+            visible = torch.cat([visible.expand(seen.shape[0], -1, -1, -1, -1), seen], -1)
+        self.keys = blocks.reshape(batch * self.blocks, -1, dim)                           # [B * n, 2W (+ C), D]
         self.visible = visible
 
     def rows(self, tensor):
@@ -113,30 +127,31 @@ class _Chunk:
             compressed_grad += keys_grad[:, :, 2 * window:].sum(1)
 
 
-def _chunks(q, kv, compressed, compressed_visible, window):
+def _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
     blocks = q.shape[1] // window
     keys = 2 * window + (0 if compressed is None else compressed.shape[1])
     per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * window * q.shape[2] * keys))
     for first in range(0, blocks, per_chunk):
-        yield _Chunk(q, kv, compressed, compressed_visible, window, first, min(first + per_chunk, blocks))
+        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks), first_position,
+                     halo)
 
 
 class _WindowSinkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, compressed, compressed_visible, sinks, scale, window):
+    def forward(ctx, q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, window):
+        for chunk in _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
             probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
             out[:, chunk.rows_slice] = chunk.blocked(torch.bmm(probs.flatten(0, 1).flatten(1, 2), chunk.keys)).flatten(1, 2)
             lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
-        ctx.save_for_backward(q, kv, compressed, compressed_visible, sinks, out, lse)
-        ctx.scale, ctx.window = scale, window
+        ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
+        ctx.scale, ctx.window, ctx.ratio, ctx.first_position, ctx.halo = scale, window, ratio, first_position, halo
         return out
 
     @staticmethod
     def backward(ctx, out_grad):
-        q, kv, compressed, compressed_visible, sinks, out, lse = ctx.saved_tensors
+        q, kv, compressed, picks, sinks, out, lse = ctx.saved_tensors
         scale, dtype = ctx.scale, q.dtype
         out_grad = out_grad.contiguous()
         q_grad = torch.empty_like(q)
@@ -144,7 +159,7 @@ class _WindowSinkAttention(torch.autograd.Function):
         compressed_grad = None if compressed is None else torch.zeros(
             compressed.shape, dtype=torch.float32, device=q.device)
         sinks_grad = torch.zeros_like(sinks, dtype=torch.float32)
-        for chunk in _chunks(q, kv, compressed, compressed_visible, ctx.window):
+        for chunk in _chunks(q, kv, compressed, picks, ctx.ratio, ctx.window, ctx.first_position, ctx.halo):
             lse_chunk = chunk.per_query(lse)
             rows_grad = chunk.rows(out_grad)
             delta, sinks_grad_chunk = _output_terms(rows_grad, chunk.rows(out), lse_chunk, sinks)
@@ -156,25 +171,38 @@ class _WindowSinkAttention(torch.autograd.Function):
             keys_grad = matmul_fp32(dscores.transpose(1, 2), chunk.q_rows) + matmul_fp32(probs.transpose(1, 2), rows_grad)
             chunk.add_key_grads(kv_grad, compressed_grad, keys_grad)
         compressed_grad = None if compressed is None else compressed_grad.to(compressed.dtype)
-        return q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None
+        return (q_grad, kv_grad.to(kv.dtype), compressed_grad, None, sinks_grad.to(sinks.dtype), None, None, None,
+                None, None)
 
 
 def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
-                          compressed_visible: torch.Tensor | None = None) -> torch.Tensor:
-    """Sink attention of q [B, S, h, D] over kv [B, S + C, D] (K = V) -> [B, S, h, D].
+                          picks: torch.Tensor | None = None, ratio: int | None = None, first_position: int = 0,
+                          halo: int = 0) -> torch.Tensor:
+    """Sink attention of q [B, S, h, D] over kv [B, halo + S + C, D] (K = V) -> [B, S, h, D], token t at position
+    first_position + t of its sequence.
 
-    Query t sees window keys t - window < s <= t and the compressed entries c (kv row S + c) where
-    `compressed_visible` [B or 1, S, C] is True. The same result as `eager_sink_attention`.
+    Query t sees the window keys t - window < s <= t and, of the C compressed entries (kv rows halo + S + c), those
+    in `picks` [B, S, k] (entry ids, -1 for none; CSA) or, without picks, the complete windows
+    c < (first_position + t + 1) // ratio (HCA). kv's first `halo` rows (< window) are the window keys just before
+    the queries (under context parallelism, where a rank's run of a sequence starts past its first token). The same
+    result as `eager_sink_attention` with that mask.
     """
     seq_len = q.shape[1]
+    if not 0 <= halo < window:
+        raise ValueError(f"window_sink_attention: halo {halo} must be at least 0 and less than the window {window}")
     pad = -seq_len % window
     compressed = None
-    if kv.shape[1] > seq_len:
-        compressed = kv[:, seq_len:]
-        if pad:
-            compressed_visible = torch.nn.functional.pad(compressed_visible, (0, 0, 0, pad))
+    if kv.shape[1] > halo + seq_len:
+        compressed = kv[:, halo + seq_len:]
+        if picks is None and ratio is None:
+            raise ValueError("window_sink_attention: compressed entries need the query's picks or the window ratio")
+    if picks is not None and (compressed is None or picks.shape[-1] == 0):
+        compressed, picks = None, None   # nothing was picked: a sequence shorter than one compressed window
+    if picks is not None and pad:
+        picks = torch.nn.functional.pad(picks, (0, 0, 0, pad), value=-1)
     if pad:  # padded queries are zeros whose outputs are dropped; padded keys follow every real query
         q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
-    window_kv = torch.nn.functional.pad(kv[:, :seq_len], (0, 0, window, pad))               # [B, W + S', D]
-    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, compressed_visible, sinks, scale, window)
+    window_kv = torch.nn.functional.pad(kv[:, :halo + seq_len], (0, 0, window - halo, pad))   # [B, W + S', D]
+    out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, picks, sinks, scale, window, ratio,
+                                     first_position, halo)
     return out[:, :seq_len]
