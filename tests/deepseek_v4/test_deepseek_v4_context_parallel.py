@@ -33,7 +33,11 @@ both ranks' tokens through the dispatcher), and two such replicas run.
 - MTP (mtp_loss_scale 0.3, at CP 2 and CP 4): the gathered depth-1 logits within MTP_TOLERANCE = 1e-4 of the
   formulation's (test_mtp.py's); the gradients of the local losses (main + MTP, whose share each rank adds),
   summed over the CP group, within GRADIENT_TOLERANCE of the gradients without context parallelism.
-- Refused in one sentence under context parallelism: routing replay, recording decisions.
+- Rollout routing replay (Megatron's RouterReplay, at CP 2 and CP 4), each rank handed its share of the engine's
+  ids cut like its input ids, as trainers do for Megatron's own MoE: the ids each router records, gathered, are
+  those of one rank, and the log-probs with an engine's ids replayed equal one rank's replay of the whole ids
+  (LOGPROB_TOLERANCE; test_routing_replay.py checks that replay against modelzoo's decision replay).
+- Refused in one sentence under context parallelism: recording or replaying decisions (`recording_decisions`).
 - The CLI's `logprobs --cp 2` (rows and `--pack`) equals the HF backend.
 Measured: log-probs within 4.3e-6; gradients within 2.5e-5 relative (the hyper-connection `scale` and `base`, sums
 with heavy cancellation; the rest within 4.9e-6); MTP logits within 5.2e-6, MTP gradients within 1.5e-5.
@@ -204,15 +208,60 @@ def _variant(batch, labels, loss_mask, rows, **options) -> dict:
     return dict(grads=grads, logprobs=logprobs, cut=cut)
 
 
+def _engine_ids(tokens: int, routers: int, experts: int, top_k: int) -> list[torch.Tensor]:
+    """Per router [tokens, top_k] distinct expert ids, as an engine that routed differently would report them
+    (seeded: the same on every rank)."""
+    generator = torch.Generator().manual_seed(4)
+    return [torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+            for _ in range(routers)]
+
+
+def _routing_replay(batch) -> dict:
+    """Routing replay on this rank, at any CP size (collective): the ids each decoder router records for the packed
+    row, gathered in row order; the log-probs of the row without replay and with the engine's ids replayed, each
+    rank handed its share of them."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from modelzoo.deepseek_v4.model.moe import Router
+
+    params = batch.packed_seq_params
+    RouterReplay.clear_global_router_replay_instances()
+    try:
+        provider = build_provider(CHECKPOINT, moe_enable_routing_replay=True)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        routers = [m for name, m in model.named_modules() if isinstance(m, Router) and not name.startswith("mtp.")]
+        engine = [context_parallel.split_for_rank(ids[None], params)[0]
+                  for ids in _engine_ids(batch.input_ids.shape[1], len(routers), routers[0].weight.shape[0],
+                                         routers[0].top_k)]
+        not_run = len(RouterReplay.global_router_replay_instances) - len(routers)  # MTP's: a log-prob pass skips it
+        with torch.no_grad():
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+            free = provider.token_logprobs(model, batch.input_ids, packed_seq_params=params)
+            recorded = [context_parallel.gather_from_ranks(ids[None], params)[0]
+                        for ids in RouterReplay.get_recorded_data()[:len(routers)]]
+            RouterReplay.set_replay_data(engine + [torch.zeros_like(engine[0])] * not_run)
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            replayed = provider.token_logprobs(model, batch.input_ids, packed_seq_params=params)
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_router_replay_instances()
+    return dict(free=free, recorded=recorded, replayed=replayed)
+
+
+@pytest.fixture(scope="module")
+def routing_replay_on_one_rank():
+    """`_routing_replay` without context parallelism, on the packed row of each CP size's slot padding."""
+    sequences, _ = _data()
+    with runtime.parallel():
+        return {cp: _routing_replay(pack_sequences(sequences, divisor=2 * cp)) for cp in (2, 4)}
+
+
 def _refusals(batch) -> dict[str, str]:
     """What context parallelism refuses, by the messages."""
     from modelzoo.deepseek_v4.model.decisions import recording_decisions
 
     messages = {}
-    try:
-        build_provider(CHECKPOINT, moe_enable_routing_replay=True).provide()
-    except ValueError as error:
-        messages["routing replay"] = str(error)
     provider = build_provider(CHECKPOINT)
     model = provider.provide()
     try:
@@ -250,6 +299,7 @@ def _rank(rank: int, layouts):
                           local_tokens=local_tokens, row_tokens=batch.input_ids.shape[1])
             if tp == ep == 1:
                 result["mtp"] = _mtp(batch, labels, loss_mask)
+                result["routing_replay"] = _routing_replay(batch)
                 result["fast"] = _variant(batch, labels, loss_mask, rows, attention="fast")
             if (tp, ep, cp) == (1, 1, 2):
                 result["recompute"] = _variant(batch, labels, loss_mask, rows, recompute_granularity="selective",
@@ -368,12 +418,30 @@ def test_mtp_loss_gradients_summed_over_the_group_equal_those_without_context_pa
     assert checked > 0  # the MTP layers' own gradients are among them
 
 
+def test_routing_replay_with_each_ranks_share_of_the_ids_equals_one_ranks_replay(ranks, routing_replay_on_one_rank):
+    sequences, _ = _data()
+    checked = 0
+    for where, cp, result in _each(ranks):
+        if "routing_replay" not in result:
+            continue
+        ours, expected = result["routing_replay"], routing_replay_on_one_rank[cp]
+        batch = pack_sequences(sequences, divisor=2 * cp)
+        real = torch.zeros(batch.input_ids.shape[1], dtype=torch.bool)
+        for start, length in zip(batch.offsets, batch.lengths):
+            real[start:start + length] = True
+        for layer, (recorded, theirs) in enumerate(zip(ours["recorded"], expected["recorded"], strict=True)):
+            assert torch.equal(recorded[real], theirs[real]), (where, layer)
+        for number, (replayed, theirs) in enumerate(zip(ours["replayed"], expected["replayed"], strict=True)):
+            assert _max_diff(replayed, theirs) <= LOGPROB_TOLERANCE, (where, number)
+        checked += 1
+    assert checked > 0
+    for expected in routing_replay_on_one_rank.values():  # the engine's ids are not the model's own choice
+        assert max(_max_diff(replayed, free) for replayed, free in zip(expected["replayed"], expected["free"])) > 1e-3
+
+
 def test_what_context_parallelism_refuses(ranks):
     for rank, result in enumerate(_at_cp2(ranks)):
         assert result["refused"] == {
-            "routing replay": "DeepSeek-V4: routing replay with context parallel size 2 is not supported (the "
-                              "replayed expert ids would be each rank's share of the tokens); replay without "
-                              "context parallelism",
             "decisions": "DeepSeek-V4: recording or replaying decisions (routed experts, indexer picks) under "
                          "context parallelism is not supported: each rank would hold its share of them",
         }, rank

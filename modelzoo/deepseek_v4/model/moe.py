@@ -49,6 +49,8 @@ class Router(Decider):
     `RouterReplay.set_replay_data([ids of layer 0 [tokens, k], ...])` with the ids an inference engine chose,
     then `RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)`. Tokens are in
     Megatron's order (sequence-major for [s, b]; a packed row's tokens as they are). Hash layers replay too.
+    Under context parallelism a router sees its rank's tokens, as Megatron's own router does: each rank is handed
+    its share of the ids, cut like its input ids (`context_parallel.split_for_rank`).
     """
 
     def __init__(self, config, args: DeepseekV4Args, hash_routed: bool):
@@ -64,10 +66,6 @@ class Router(Decider):
         else:
             self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         self.router_replay = None
-        if config.moe_enable_routing_replay and config.context_parallel_size > 1:
-            raise ValueError(f"DeepSeek-V4: routing replay with context parallel size {config.context_parallel_size} "
-                             f"is not supported (the replayed expert ids would be each rank's share of the tokens); "
-                             f"replay without context parallelism")
         if config.moe_enable_routing_replay:
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
