@@ -189,12 +189,6 @@ class ModelProvider:
         if cp != 1 and not self.supports_context_parallel:
             raise ValueError(f"context parallel size {cp}: context parallelism is not implemented for this {self.name} "
                              f"model")
-        if pp > 1 and cp > 1:
-            raise ValueError(f"pipeline parallel size {pp} with context parallel size {cp}: pipeline stages are not "
-                             f"implemented together with context parallelism")
-        if pp > 1 and sp:
-            raise ValueError(f"pipeline parallel size {pp} with sequence parallelism: pipeline stages are not "
-                             f"implemented together with sequence parallelism")
 
     @staticmethod
     def pipeline_stage() -> dict[str, bool]:
@@ -205,8 +199,9 @@ class ModelProvider:
                     post_process=parallel_state.is_pipeline_last_stage())
 
     def pipeline_seq_length(self, seq_length: int) -> int:
-        """The `seq_length` to give Megatron's schedules for micro-batches of `seq_length` tokens: they pass
-        tensors of [seq_length, micro_batch, hidden] between stages (an architecture that sends more overrides it)."""
+        """The `seq_length` to give Megatron's schedules for micro-batches of `seq_length` tokens (whole rows: the
+        schedules divide it by the CP size, and by the TP size under sequence parallelism): they pass tensors of
+        [seq_length, micro_batch, hidden] between stages (an architecture that sends more overrides it)."""
         return seq_length
 
     def provide(self, config=None) -> torch.nn.Module:
@@ -344,13 +339,15 @@ class ModelProvider:
         targets = input_ids.roll(-1, dims=1)
         local_ids, local_targets, local_positions = (context_parallel.split_for_rank(tensor, packed_seq_params)
                                                      for tensor in (input_ids, targets, position_ids))
-        logits = model(local_ids, local_positions, attention_mask, packed_seq_params=packed_seq_params)
+        logits = self.forward(model, local_ids, position_ids=local_positions, attention_mask=attention_mask,
+                              packed_seq_params=packed_seq_params)
         local = vocab_parallel_logprobs(logits, local_targets, self.vocab_size)
         return context_parallel.gather_from_ranks(local, packed_seq_params)[:, : seq - 1]
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, **call) -> torch.Tensor:
-        """`model(input_ids, **call)` (GPTModel's call) on every rank. With several pipeline stages, one micro-batch
-        through Megatron's forward-only schedule; the last stage's output is sent to every stage."""
+        """`model(input_ids, **call)` (GPTModel's call) on every rank; `input_ids` are this CP rank's share under
+        context parallelism. With several pipeline stages, one micro-batch through Megatron's forward-only schedule;
+        the last stage's output is sent to every stage."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -365,10 +362,11 @@ class ModelProvider:
                 return output.new_zeros(()), {}
             return module(input_ids, **call), keep
 
+        # the schedule's seq_length is the whole row's: it divides it by the CP size (and TP size under SP) itself
+        whole_row = input_ids.shape[1] * parallel_state.get_context_parallel_world_size()
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=self.pipeline_seq_length(input_ids.shape[1]), micro_batch_size=input_ids.shape[0],
-            forward_only=True)
+            seq_length=self.pipeline_seq_length(whole_row), micro_batch_size=input_ids.shape[0], forward_only=True)
         last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
         described = [(tuple(kept[0].shape), kept[0].dtype) if parallel_state.is_pipeline_last_stage() else None]
         dist.broadcast_object_list(described, src=last, group=group)

@@ -1,8 +1,10 @@
-"""Pipeline stages (PP 2, and PP 2 x TP 2 on 4 ranks) for Llama and DeepSeek-V4 through Megatron's schedules on gloo.
+"""Pipeline stages (PP 2; on 4 ranks PP 2 x TP 2, PP 2 x TP 2 with sequence parallelism, PP 2 x CP 2) for Llama and
+DeepSeek-V4 through Megatron's schedules on gloo.
 
 Oracle: transformers' LlamaForCausalLM and DeepseekV4ForCausalLM, full-sequence forward in fp32, on the same
 micro-batches. One spawn per world size (2 ranks: PP 2, the checkpoint round trips and DeepSeek-V4's MTP; 4 ranks:
-PP 2 x TP 2).
+the mixes). Under context parallelism each rank's forward step takes its share of the micro-batch
+(`context_parallel.split_for_rank`) and the last stage gathers the per-token loss back.
 
 - Forward-only through `get_forward_backward_func()` with 3 micro-batches: the last stage's per-token loss (with
   `labels`) is minus the HF log-probs, LOGPROB_TOLERANCE = 1e-5 (fp32; the same math in another order moves them by
@@ -20,9 +22,10 @@ PP 2 x TP 2).
 - Llama with `tie_word_embeddings` at PP 2: the last stage's head is a copy of the first stage's embedding (built on
   the CPU through modelzoo.cpu_compat, on the meta device without the all-reduce that starts the copies equal); the
   log-probs and gradients equal transformers' (the embedding's gradient is the sum of both stages' uses).
-- LoopCoder refuses PP > 1 in one sentence, every model PP with context or sequence parallelism (the provider and
-  the CLI, exit 2); P2P over gloo works once modelzoo.cpu_compat gives p2p_communication
-  CPU receive buffers (tests/test_cpu_compat.py).
+- `provider.token_logprobs` (the forward-only schedule inside) at PP 2 x TP 2 + SP and PP 2 x CP 2 equals the HF
+  log-probs on every rank; the CLI's `parity` passes at `--pp 2 --cp 2` and `--pp 2 --tp 2 --sp`.
+- LoopCoder refuses PP > 1 in one sentence (the provider and the CLI, exit 2); P2P over gloo works once
+  modelzoo.cpu_compat gives p2p_communication CPU receive buffers (tests/test_cpu_compat.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from conftest import TINY, write_llama_variant
 from safetensors.torch import load_file
 
 from conversion import megatron_ckpt
-from modelzoo import build_provider, runtime
+from modelzoo import build_provider, context_parallel, runtime
 from modelzoo.parity import load_hf_model, logprobs_from_logits
 
 LOGPROB_TOLERANCE = 1e-5
@@ -71,12 +74,15 @@ def hf_reference(folder, scratch) -> tuple[list[torch.Tensor], dict[str, torch.T
 
 # --- the ranks -------------------------------------------------------------------------------------------------------
 def _loss(output_tensor):
-    return output_tensor.sum(), {"per_token_loss": output_tensor.detach()}
+    # the schedule multiplies this rank's loss by the CP size, DDP averages over the CP ranks: their sum remains
+    return output_tensor.sum(), {"per_token_loss": context_parallel.gather_from_ranks(output_tensor.detach())}
 
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    return model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"]), _loss
+    input_ids, position_ids, labels = (context_parallel.split_for_rank(batch[key])
+                                       for key in ("input_ids", "position_ids", "labels"))
+    return model(input_ids, position_ids, None, labels=labels), _loss
 
 
 def _schedule(provider, ddp, forward_only: bool) -> list[dict]:
@@ -151,11 +157,23 @@ def _two_ranks(rank: int, scratch, tied_llama) -> dict:
     return results
 
 
+FOUR_RANK_LAYOUTS = {"pp2-tp2": (dict(tp=2, pp=2), {}), "pp2-tp2-sp": (dict(tp=2, pp=2), dict(sequence_parallel=True)),
+                     "pp2-cp2": (dict(cp=2, pp=2), {})}
+
+
 def _four_ranks(rank: int) -> dict:
     results = {}
-    for architecture, folder in CHECKPOINTS.items():
-        with runtime.parallel(tp=2, pp=2):
-            results[architecture] = _trained(folder)
+    for layout, (sizes, options) in FOUR_RANK_LAYOUTS.items():
+        for architecture, folder in CHECKPOINTS.items():
+            with runtime.parallel(**sizes):
+                results[layout, architecture] = _trained(folder, **options)
+                if layout != "pp2-tp2":
+                    provider = build_provider(folder, **options)
+                    model = provider.provide()
+                    provider.load_hf_weights(model, progress=False)
+                    with torch.no_grad():
+                        results[layout, architecture, "token_logprobs"] = provider.token_logprobs(
+                            model, micro_batches()[0]["input_ids"])  # SEQ tokens: the SP and CP ranks split them
     return results
 
 
@@ -183,9 +201,11 @@ def four_ranks():
 
 def _layouts(two_ranks, four_ranks, architecture):
     """(layout, rank, result) of every rank that ran the schedule for `architecture`."""
-    for layout, ranks in (("pp2", two_ranks), ("pp2-tp2", four_ranks)):
-        for rank, result in enumerate(ranks):
-            yield layout, rank, result[architecture]
+    for rank, result in enumerate(two_ranks):
+        yield "pp2", rank, result[architecture]
+    for layout in FOUR_RANK_LAYOUTS:
+        for rank, result in enumerate(four_ranks):
+            yield layout, rank, result[layout, architecture]
 
 
 def _max_diff(a, b) -> float:
@@ -278,16 +298,14 @@ def test_a_pipeline_size_that_does_not_divide_the_layers_is_refused():
         provider.check_parallel_layout(1, pp=layers + 1)
 
 
-def test_pipeline_stages_with_context_or_sequence_parallelism_are_refused():
-    provider = build_provider(CHECKPOINTS["llama"])
-    with pytest.raises(ValueError, match=r"^pipeline parallel size 2 with context parallel size 2: pipeline stages are "
-                                         r"not implemented together with context parallelism$"):
-        provider.check_parallel_layout(1, cp=2, pp=2)
-    with pytest.raises(ValueError, match=r"^pipeline parallel size 2 with sequence parallelism: pipeline stages are "
-                                         r"not implemented together with sequence parallelism$"):
-        provider.check_parallel_layout(2, pp=2, sp=True)
-    provider.check_parallel_layout(2, cp=2, sp=True)
-    provider.check_parallel_layout(2, pp=2)
+@pytest.mark.parametrize("architecture", list(CHECKPOINTS))
+def test_token_logprobs_with_sequence_or_context_parallel_stages_equal_transformers(architecture, references,
+                                                                                   four_ranks):
+    reference, _ = references[architecture]
+    for layout in FOUR_RANK_LAYOUTS.keys() - {"pp2-tp2"}:
+        for rank, result in enumerate(four_ranks):
+            ours = result[layout, architecture, "token_logprobs"]  # the first SEQ - 1 of the reference's SEQ
+            assert _max_diff(ours, reference[0][:, :-1]) <= LOGPROB_TOLERANCE, (layout, rank)
 
 
 def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
@@ -324,12 +342,9 @@ def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
     assert "pipeline parallel size 3 must divide the 2 decoder layers" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout, refusal", [
-    (["--pp", "2", "--cp", "2"], "pipeline parallel size 2 with context parallel size 2"),
-    (["--pp", "2", "--tp", "2", "--sp"], "pipeline parallel size 2 with sequence parallelism"),
-])
-def test_cli_refuses_pipeline_stages_with_context_or_sequence_parallelism(capsys, layout, refusal):
+@pytest.mark.parametrize("layout", [["--pp", "2", "--cp", "2"], ["--pp", "2", "--tp", "2", "--sp"]])
+def test_cli_parity_with_sequence_or_context_parallel_stages(layout):
     from conversion.cli import main
 
-    assert main(["parity", str(CHECKPOINTS["llama"]), *layout]) == 2
-    assert f"modelzoo: error: {refusal}: pipeline stages are not implemented" in capsys.readouterr().err
+    assert main(["parity", str(CHECKPOINTS["deepseek_v4"]), *layout, "--seq-len", "24", "--tolerance",
+                 str(LOGPROB_TOLERANCE)]) == 0
