@@ -1,11 +1,14 @@
-"""Sequence parallelism (`sequence_parallel=True`, TP 2) for Llama, LoopCoder and DeepSeek-V4, against the HF models.
+"""Sequence parallelism (`sequence_parallel=True`, TP 2, and TP 2 x CP 2) for Llama, LoopCoder and DeepSeek-V4,
+against the HF models.
 
 Oracle: transformers' LlamaForCausalLM and DeepseekV4ForCausalLM and our LoopCoder reference, fp32, full-sequence
 forward; for a packed row, each sequence run alone (its gradients summed over the sequences).
 
-Two gloo ranks run every architecture in one spawn, each model wrapped in Megatron's DDP, the gradients summed by
-Megatron's `finalize_model_grads` (what trainers call): it sums the gradients of the parameters marked
-`sequence_parallel` (norms, DeepSeek-V4's hyper-connection maps and hyper head) over the TP ranks.
+Two gloo ranks (TP 2) and four (TP 2 x CP 2: each CP rank's share of a row split again over its TP ranks) run every
+architecture, one spawn each, each model wrapped in Megatron's DDP, the gradients summed by Megatron's
+`finalize_model_grads` (what trainers call): it sums the gradients of the parameters marked `sequence_parallel`
+(norms, DeepSeek-V4's hyper-connection maps and hyper head) over the TP ranks, and with CP every gradient over the CP
+ranks (`calculate_per_token_loss`: summed, not averaged).
 - Plain rows [2, 64] and a packed row of sequences of lengths 17, 40, 5 and 70 (slots padded to a multiple of the
   TP size: 134 tokens, so the ranks' halves split the last sequence; longer than LoopCoder's window of 8 and
   DeepSeek-V4's window of 16 and compress ratios 4 / 16): log-probabilities within LOGPROB_TOLERANCE = 1e-5 of the
@@ -15,11 +18,13 @@ Megatron's `finalize_model_grads` (what trainers call): it sums the gradients of
   log-probs within 1e-6 (Llama, LoopCoder) and 4.3e-6 (DeepSeek-V4); gradients within 1.2e-6, but DeepSeek-V4's
   layer-0 hyper-connection `scale` at 8.3e-5 on plain rows: a sum with heavy cancellation whose fp32 gradient is
   ~3e-5 off its float64 value in transformers itself, ~7e-5 at TP 2 without sequence parallelism
-  (tests/deepseek_v4/test_parallel.py).
-- That sequence parallelism is really on: the first layer's per-token input holds S / 2 tokens on each rank, and
-  before finalize_model_grads a norm weight's gradient (its rank's tokens only) is > 1e-3 relative away from HF's.
+  (tests/deepseek_v4/test_parallel.py). At TP 2 x CP 2 the same: log-probs within 1e-6 and 3.8e-6, gradients within
+  1.1e-6 but that `scale` at 8.3e-5.
+- That sequence parallelism is really on: the first layer's per-token input holds S / (2 x CP) tokens on each rank,
+  and before finalize_model_grads a norm weight's gradient (its rank's tokens only) is > 1e-3 relative away from
+  HF's; the ranks' gradients add up to the finalized one.
 - A sequence of odd length is refused in one sentence; so is sequence_parallel at TP 1 (by Megatron's config), and
-  LoRA on a sequence-parallel model.
+  LoRA on a sequence-parallel model (checked at TP 2).
 - The CLI's `--sp` (with `--tp 2`): `parity` with 41 tokens (plain rows right-padded to 42 with a padding mask, packed
   slots to even lengths) and `logprobs --pack` of DeepSeek-V4 against the HF backend, 1e-5; `--sp` at `--tp 1` is
   refused in one sentence, exit 2, nothing written.
@@ -40,6 +45,7 @@ from modelzoo.sequences import pack_sequences
 LOGPROB_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4
 TP = 2
+CONTEXT_PARALLEL_SIZES = (1, 2)
 SEQ = 64
 LENGTHS = (17, 40, 5, 70)
 CHECKPOINTS = {"llama": TINY / "llama-tiny", "loopcoder": TINY / "loopcoder-tiny",
@@ -79,12 +85,13 @@ def _grads_by_name(provider, model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _architecture(architecture: str) -> dict:
+def _architecture(architecture: str, cp: int) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     provider = build_provider(CHECKPOINTS[architecture], sequence_parallel=True, **OPTIONS.get(architecture, {}))
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
+    model.config.calculate_per_token_loss = True  # read by DDP: each rank's gradient is of its tokens' loss, summed
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     per_token_inputs = []
     module, dim = PER_TOKEN[architecture]
@@ -105,9 +112,12 @@ def _architecture(architecture: str) -> dict:
 
     ids = plain_rows()
     plain = run(lambda: provider.token_logprobs(ddp, ids))
-    batch = pack_sequences(packed_sequences(), divisor=TP)
+    # slots: each CP rank's 2 chunks of a slot together split over the TP ranks
+    batch = pack_sequences(packed_sequences(), divisor=TP if cp == 1 else 2 * cp * TP)
     packed = run(lambda: torch.cat(provider.token_logprobs(ddp, batch.input_ids,
                                                            packed_seq_params=batch.packed_seq_params)))
+    if cp > 1:
+        return dict(plain=plain, packed=packed, packed_tokens=batch.input_ids.shape[1])
     try:
         with torch.no_grad():
             ddp(ids[:, :SEQ - 1])
@@ -128,11 +138,11 @@ def _lora_refusal(provider, model) -> str | None:
     return None
 
 
-def _rank(rank: int) -> dict:
+def _rank(rank: int, cp: int) -> dict:
     results = {}
     for architecture in CHECKPOINTS:
-        with runtime.parallel(tp=TP):
-            results[architecture] = _architecture(architecture)
+        with runtime.parallel(tp=TP, cp=cp):
+            results[architecture] = _architecture(architecture, cp)
     return results
 
 
@@ -158,7 +168,7 @@ def _hf_logprobs_and_grads(architecture: str, rows: list[torch.Tensor], scratch)
 
 @pytest.fixture(scope="module")
 def spawned():
-    return runtime.spawn(_rank, TP)
+    return {cp: runtime.spawn(_rank, TP * cp, cp) for cp in CONTEXT_PARALLEL_SIZES}
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -170,7 +180,8 @@ def case(request, spawned, tmp_path_factory):
         "packed": _hf_logprobs_and_grads(architecture, [torch.tensor([s]) for s in packed_sequences()],
                                          tmp_path_factory.mktemp("packed")),
     }
-    return architecture, [rank[architecture] for rank in spawned], references
+    layouts = {cp: [rank[architecture] for rank in ranks] for cp, ranks in spawned.items()}
+    return architecture, layouts, references
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,45 +204,49 @@ def _relative_errors(grads: dict, reference: dict) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.parametrize("cp", CONTEXT_PARALLEL_SIZES)
 @pytest.mark.parametrize("form", ["plain", "packed"])
-def test_logprobs_equal_the_hf_models(case, form):
-    _, ranks, references = case
-    for result in ranks:
+def test_logprobs_equal_the_hf_models(case, form, cp):
+    _, layouts, references = case
+    for result in layouts[cp]:
         assert _max_diff(result[form]["logprobs"], references[form][0]) <= LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("cp", CONTEXT_PARALLEL_SIZES)
 @pytest.mark.parametrize("form", ["plain", "packed"])
-def test_every_gradient_equals_the_hf_models_after_finalize_model_grads(case, form):
-    _, ranks, references = case
-    for result in ranks:
+def test_every_gradient_equals_the_hf_models_after_finalize_model_grads(case, form, cp):
+    _, layouts, references = case
+    for result in layouts[cp]:
         for name, error in _relative_errors(result[form]["grads"], references[form][1]).items():
             assert error <= GRADIENT_TOLERANCE, (form, name, error)
 
 
+@pytest.mark.parametrize("cp", CONTEXT_PARALLEL_SIZES)
 @pytest.mark.parametrize("form", ["plain", "packed"])
-def test_tokens_are_split_and_norm_gradients_are_summed_over_the_ranks(case, form):
-    architecture, ranks, references = case
+def test_tokens_are_split_and_norm_gradients_are_summed_over_the_ranks(case, form, cp):
+    architecture, layouts, references = case
+    ranks = layouts[cp]
     tokens = SEQ if form == "plain" else ranks[0]["packed_tokens"]
     hf_norm_grad = references[form][1][NORMS[architecture][1]]
     scale = hf_norm_grad.abs().max().item()
     for result in ranks:
-        assert result[form]["tokens"] == tokens // TP
+        assert result[form]["tokens"] == tokens // (TP * cp)
         assert _max_diff(result[form]["norm_grad_of_this_rank"], hf_norm_grad) / scale > 1e-3
-    assert torch.allclose(ranks[0][form]["norm_grad_of_this_rank"] + ranks[1][form]["norm_grad_of_this_rank"],
-                          ranks[0][form]["norm_grad"], rtol=0, atol=1e-6 * scale)
+    assert torch.allclose(sum(result[form]["norm_grad_of_this_rank"] for result in ranks), ranks[0][form]["norm_grad"],
+                          rtol=0, atol=1e-6 * scale)
 
 
 def test_a_sequence_the_ranks_cannot_split_is_refused(case):
-    architecture, ranks, _ = case
-    for result in ranks:
+    architecture, layouts, _ = case
+    for result in layouts[1]:
         assert result["odd_length"] is not None
         assert f"with sequence parallelism the sequence length ({SEQ - 1}) must be a multiple of the " \
                f"tensor-parallel size ({TP})" in result["odd_length"]
 
 
 def test_lora_on_a_sequence_parallel_model_is_refused(case):
-    _, ranks, _ = case
-    for result in ranks:
+    _, layouts, _ = case
+    for result in layouts[1]:
         assert result["lora"] == ("LoRA: sequence parallelism is not supported; build the model with "
                                   "sequence_parallel=False")
 
