@@ -37,7 +37,10 @@ both ranks' tokens through the dispatcher), and two such replicas run.
   ids cut like its input ids, as trainers do for Megatron's own MoE: the ids each router records, gathered, are
   those of one rank, and the log-probs with an engine's ids replayed equal one rank's replay of the whole ids
   (LOGPROB_TOLERANCE; test_routing_replay.py checks that replay against modelzoo's decision replay).
-- Refused in one sentence under context parallelism: recording or replaying decisions (`recording_decisions`).
+- Recorded decisions (modelzoo's `recording_decisions`, at CP 2) are each rank's share: replayed into the same
+  model they give its log-probs bit for bit; altered (every routed expert id moved to the next expert) and replayed
+  into the exact and the fast attention, the two agree within LOGPROB_TOLERANCE and differ from the model's own
+  routing by > 1e-3.
 - The CLI's `logprobs --cp 2` (rows and `--pack`) equals the HF backend.
 Measured: log-probs within 4.3e-6; gradients within 2.5e-5 relative (the hyper-connection `scale` and `base`, sums
 with heavy cancellation; the rest within 4.9e-6); MTP logits within 5.2e-6, MTP gradients within 1.5e-5.
@@ -257,20 +260,36 @@ def routing_replay_on_one_rank():
         return {cp: _routing_replay(pack_sequences(sequences, divisor=2 * cp)) for cp in (2, 4)}
 
 
-def _refusals(batch) -> dict[str, str]:
-    """What context parallelism refuses, by the messages."""
-    from modelzoo.deepseek_v4.model.decisions import recording_decisions
+def _decisions(batch) -> dict:
+    """modelzoo's decision recording on this rank's share of the packed row (the exact attention), replayed into the
+    same model, and altered (each routed expert id moved to the next expert) into the exact and the fast attention:
+    the log-probs of each run."""
+    from modelzoo.deepseek_v4.model.decisions import recording_decisions, replaying_decisions
+    from modelzoo.deepseek_v4.model.moe import Router
 
-    messages = {}
-    provider = build_provider(CHECKPOINT)
-    model = provider.provide()
-    try:
-        with torch.no_grad(), recording_decisions(model):
-            model(context_parallel.split_for_rank(batch.input_ids, batch.packed_seq_params),
-                  packed_seq_params=batch.packed_seq_params)
-    except ValueError as error:
-        messages["decisions"] = str(error)
-    return messages
+    models = {}
+    for attention in ("exact", "fast"):
+        provider = build_provider(CHECKPOINT, attention=attention)
+        models[attention] = provider.provide()
+        provider.load_hf_weights(models[attention], progress=False)
+
+    def logprobs(attention):
+        return provider.token_logprobs(models[attention], batch.input_ids, packed_seq_params=batch.packed_seq_params)
+
+    with torch.no_grad():
+        with recording_decisions(models["exact"]) as decisions:
+            free = logprobs("exact")
+        with replaying_decisions(models["exact"], decisions):
+            replayed = logprobs("exact")
+        experts = provider.hf_config.n_routed_experts
+        altered = {name: torch.where(ids >= 0, (ids + 1) % experts, ids)
+                   if isinstance(models["exact"].get_submodule(name), Router) else ids
+                   for name, ids in decisions.items()}
+        results = dict(free=free, replayed=replayed)
+        for attention in models:
+            with replaying_decisions(models[attention], altered):
+                results[f"altered_{attention}"] = logprobs(attention)
+    return results
 
 
 def _rank(rank: int, layouts):
@@ -304,7 +323,7 @@ def _rank(rank: int, layouts):
             if (tp, ep, cp) == (1, 1, 2):
                 result["recompute"] = _variant(batch, labels, loss_mask, rows, recompute_granularity="selective",
                                                recompute_modules=["core_attn"])
-                result["refused"] = _refusals(batch)
+                result["decisions"] = _decisions(batch)
             results[(tp, ep, cp)] = result
     return results
 
@@ -439,12 +458,14 @@ def test_routing_replay_with_each_ranks_share_of_the_ids_equals_one_ranks_replay
         assert max(_max_diff(replayed, free) for replayed, free in zip(expected["replayed"], expected["free"])) > 1e-3
 
 
-def test_what_context_parallelism_refuses(ranks):
+def test_recorded_decisions_replay_on_each_rank(ranks):
     for rank, result in enumerate(_at_cp2(ranks)):
-        assert result["refused"] == {
-            "decisions": "DeepSeek-V4: recording or replaying decisions (routed experts, indexer picks) under "
-                         "context parallelism is not supported: each rank would hold its share of them",
-        }, rank
+        runs = result["decisions"]
+        for number, (free, replayed) in enumerate(zip(runs["free"], runs["replayed"], strict=True)):
+            assert torch.equal(free, replayed), (rank, number)
+        for number, (exact, fast) in enumerate(zip(runs["altered_exact"], runs["altered_fast"], strict=True)):
+            assert _max_diff(exact, fast) <= LOGPROB_TOLERANCE, (rank, number)
+        assert max(_max_diff(altered, free) for altered, free in zip(runs["altered_exact"], runs["free"])) > 1e-3
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------

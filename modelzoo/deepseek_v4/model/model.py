@@ -356,9 +356,6 @@ class DeepseekV4Model(MegatronModule):
             streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
         else:
             streams = self.input_streams(input_ids)
-        if layout.context_parallel_keys is not None and deciding(self):
-            raise ValueError("DeepSeek-V4: recording or replaying decisions (routed experts, indexer picks) under "
-                             "context parallelism is not supported: each rank would hold its share of them")
         graphs = self.layer_graphs
         if layout.plain and graphs is not None and graphs.matches(streams, position_ids, input_ids) \
                 and not deciding(self):
