@@ -5,7 +5,8 @@
     python benchmarks/bench_deepseek_v4.py --profile --paths fast   # top CUDA / CPU ops of that path instead
 
 `--paths fast+graphs` times the fast path with the decoder layers replayed as CUDA graphs
-(`DeepseekV4Model.capture_cuda_graphs`; the capture is part of the first step).
+(`DeepseekV4Model.capture_cuda_graphs`; the capture is part of the first step); `--paths ""` times transformers'
+model alone. `--recompute full` also turns on transformers' gradient checkpointing (its only kind of recompute).
 
 `small`, the config of the performance issue: hidden 1024, 6 layers (2 sliding, 2 CSA, 2 HCA), 16 heads x
 256, 16 experts top-4, hc_mult 4. `large`, about 1B active parameters: hidden 2048, 12 layers, 16 heads x
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first, before the timed ones")
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
                              "the decoder layers as CUDA graphs")
@@ -207,7 +209,7 @@ def main() -> None:
         try:
             loss = float(step())  # also the check that both models compute the same thing (same weights, same tokens)
             first_step = time.perf_counter() - started  # includes compiling, for the fused paths
-            seconds, memory = time_steps(step, args.steps)
+            seconds, memory = time_steps(step, args.steps, args.warmup)
         except torch.OutOfMemoryError:  # a figure in itself: transformers' eager attention at long sequences
             results.append({"model": name, "out_of_memory": True,
                             "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30})
@@ -221,10 +223,13 @@ def main() -> None:
 
     if not args.no_hf:
         hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
+        if args.recompute == "full":
+            hf.gradient_checkpointing_enable()
+            hf.train()  # transformers checkpoints only in training mode
         record("transformers DeepseekV4 (eager)", hf_step(hf, ids))
         del hf
     with runtime.parallel(tp=1):
-        for path in args.paths.split(","):
+        for path in filter(None, args.paths.split(",")):
             model, step = our_step(folder, ids, path, args.recompute)
             record(f"megatron deepseek_v4 ({path}, recompute {args.recompute})", step)
             model.release_cuda_graphs()

@@ -1,0 +1,117 @@
+"""The longest row (batch 1) a model trains on one GPU, at one recompute setting: one forward + backward step.
+
+    python benchmarks/bench_longest_fit.py dense megatron-loopcoder --recompute full --start 32768
+    python benchmarks/bench_longest_fit.py dense hf-llama-sdpa --recompute none
+    python benchmarks/bench_longest_fit.py deepseek_v4 ours --recompute full --start 32768
+    python benchmarks/bench_longest_fit.py deepseek_v4 transformers
+
+`dense` models are bench_dense.py's (`--only` names); `deepseek_v4` runs bench_deepseek_v4.py's `--config`
+(default large) with our fast path (`ours`) or transformers' eager model (`transformers`). Each probe is a fresh
+process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
+untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
+steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Writes
+benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json with every probe's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT_OF_MEMORY_SIGNS = ("OutOfMemoryError", "CUDA out of memory")
+
+
+def longest_fit(fits: Callable[[int], bool], start: int, maximum: int, refine: int, granularity: int) -> int | None:
+    """The longest length found to fit: doubling from `start` (capped at `maximum`), then `refine` bisection
+    steps on multiples of `granularity` below the first length that did not fit; None if `start` does not."""
+    longest, too_long = None, None
+    length = start
+    while True:
+        if fits(length):
+            longest = length
+            if length >= maximum:
+                return longest
+            length = min(2 * length, maximum)
+        else:
+            too_long = length
+            break
+    if longest is None:
+        return None
+    for _ in range(refine):
+        middle = (longest + too_long) // 2 // granularity * granularity
+        if middle <= longest:
+            break
+        if fits(middle):
+            longest = middle
+        else:
+            too_long = middle
+    return longest
+
+
+def probe_command(args, seq: int, out: Path) -> list[str]:
+    common = ["--seq", str(seq), "--recompute", args.recompute, "--steps", "1", "--warmup", "1", "--out", str(out)]
+    if args.bench == "dense":
+        return [sys.executable, str(HERE / "bench_dense.py"), "--batch", "1", "--only", args.model, *common]
+    paths = ["--paths", "fast", "--no-hf"] if args.model == "ours" else ["--paths", ""]
+    return [sys.executable, str(HERE / "bench_deepseek_v4.py"), "--config", args.config, *paths, *common]
+
+
+def probe(args, seq: int, probes: list[dict]) -> bool:
+    """Run one step at `seq` in a fresh process; record its figures; whether it fit."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "result.json"
+        command = probe_command(args, seq, out)
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=args.probe_timeout)
+        if finished.returncode == 0:
+            [result] = json.loads(out.read_text())["results"]
+        elif any(sign in finished.stderr for sign in OUT_OF_MEMORY_SIGNS):  # outside the timed steps (building)
+            result = {"out_of_memory": True}
+        else:
+            raise SystemExit(f"{' '.join(command)} exited {finished.returncode}:\n{finished.stderr[-3000:]}")
+    fit = not result.get("out_of_memory")
+    probes.append({"seq": seq, "fits": fit, **result})
+    print(f"{seq:>8} tokens: {'fits' if fit else 'out of memory'}"
+          + (f", {result['ms_per_step']:.0f} ms/step, {result['peak_memory_gib']:.1f} GiB reserved" if fit else ""),
+          flush=True)
+    return fit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("bench", choices=["dense", "deepseek_v4"])
+    parser.add_argument("model", help="dense: a bench_dense.py model name; deepseek_v4: ours or transformers")
+    parser.add_argument("--recompute", default="none", help="the benchmark script's --recompute")
+    parser.add_argument("--config", default="large", help="deepseek_v4: bench_deepseek_v4.py's --config")
+    parser.add_argument("--start", type=int, default=4096)
+    parser.add_argument("--max", type=int, default=262144)
+    parser.add_argument("--refine", type=int, default=2, help="bisection steps after the doubling")
+    parser.add_argument("--granularity", type=int, default=4096)
+    parser.add_argument("--probe-timeout", type=int, default=900, help="seconds one probe may take")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.bench == "deepseek_v4" and args.model not in ("ours", "transformers"):
+        parser.error("deepseek_v4 models: ours or transformers")
+    if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and args.recompute not in ("none", "full"):
+        parser.error(f"transformers' models recompute fully (gradient checkpointing) or not at all, not "
+                     f"{args.recompute!r}")
+
+    import torch
+
+    probes: list[dict] = []
+    longest = longest_fit(lambda seq: probe(args, seq, probes), args.start, args.max, args.refine, args.granularity)
+    print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {args.recompute})")
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
+    out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{args.recompute}_{gpu}.json")
+    out.write_text(json.dumps({"command": "python3 benchmarks/bench_longest_fit.py " + " ".join(sys.argv[1:]),
+                               "gpu": torch.cuda.get_device_name(), "longest_fit": longest, "probes": probes},
+                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
