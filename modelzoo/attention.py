@@ -118,7 +118,10 @@ def sliding_block_mask(seq_len: int, window: int, device: torch.device):
     def sliding_causal(batch, head, query, key):
         return in_window(query, key, window)
 
-    return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
+    # compiled: the eager create_block_mask evaluates the rule on the whole [seq, seq] grid (int64 indices), which
+    # at 65536 tokens holds tens of GiB for a moment
+    return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+                             _compile=True)
 
 
 def _flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> Tensor:
