@@ -245,7 +245,7 @@ def cmd_logprobs(args) -> int:
     out = Path(args.out)
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp)
     sequences = _read_token_lists(args.tokens, provider.vocab_size)
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
@@ -282,7 +282,7 @@ def cmd_logprobs(args) -> int:
 
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
-    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp, args.sp)
+    provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp)
     import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
 
     from modelzoo.parity import hf_outputs, megatron_outputs

@@ -147,8 +147,7 @@ class ModelProvider:
 
         fields = self.transformer_config_kwargs(**_parallel_sizes())
         self.check_parallel_layout(fields["tensor_model_parallel_size"], fields["expert_model_parallel_size"],
-                                   cp=fields["context_parallel_size"], pp=fields["pipeline_model_parallel_size"],
-                                   sp=bool(fields.get("sequence_parallel")))
+                                   cp=fields["context_parallel_size"], pp=fields["pipeline_model_parallel_size"])
         return TransformerConfig(**fields)
 
     def transformer_config_kwargs(self, **parallel_sizes: int) -> dict[str, Any]:
@@ -170,7 +169,7 @@ class ModelProvider:
             fields["num_query_groups"] = tp
         return fields
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         """Refuse a layout that does not split this model evenly (before any work starts)."""
         fields = self.transformer_config_fields()
         if pp < 1 or fields["num_layers"] % pp:

@@ -85,8 +85,8 @@ class DeepseekV4Provider(ModelProvider):
     def args(self) -> v4_config.DeepseekV4Args:
         return v4_config.DeepseekV4Args.from_hf(self.hf_config)
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
-        super().check_parallel_layout(tp, ep, cp, pp, sp)
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
+        super().check_parallel_layout(tp, ep, cp, pp)
         v4_config.check_parallel(self.hf_config, tp, ep)
 
     def transformer_config_fields(self) -> dict:

@@ -100,7 +100,7 @@ class ModelzooModelProvider(TransformerConfig, ModelProviderMixin):
             raise ValueError(f"the provider asks for tensor/expert/context/pipeline parallel sizes {sizes} but "
                              f"Megatron's parallel state has {state}: call provider.initialize_model_parallel() after "
                              f"setting them")
-        self.modelzoo_provider.check_parallel_layout(*sizes, sp=self.sequence_parallel)
+        self.modelzoo_provider.check_parallel_layout(*sizes)
         return self.modelzoo_provider.provide(self)
 
 

@@ -41,10 +41,10 @@ class LoopCoderProvider(ModelProvider):
             raise ValueError("LoopCoder: full recompute checkpoints every layer call in both loops; "
                              "recompute_method='block' is not supported")
 
-    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1, sp: bool = False) -> None:
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         if pp > 1:
             raise ValueError(PIPELINE_REFUSAL.format(pp=pp))
-        super().check_parallel_layout(tp, ep, cp, pp, sp)
+        super().check_parallel_layout(tp, ep, cp, pp)
 
     def transformer_config_fields(self) -> dict:
         return llama_transformer_fields(self.hf_config)
