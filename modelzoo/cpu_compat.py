@@ -178,11 +178,11 @@ def _patch_optimizer_type_checks() -> None:
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    DistributedOptimizer.__init__ = _with_cuda_type_names(DistributedOptimizer.__init__)
-    optimizer.Float16OptimizerWithFloat16Params.__init__ = _with_cuda_type_names(
-        optimizer.Float16OptimizerWithFloat16Params.__init__)
-    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
-        clip_grads.clip_grad_by_total_norm_fp32)
+    DistributedOptimizer.__init__ = _within(_CudaTypeNames, DistributedOptimizer.__init__)
+    optimizer.Float16OptimizerWithFloat16Params.__init__ = _within(
+        _CudaTypeNames, optimizer.Float16OptimizerWithFloat16Params.__init__)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _within(
+        _CudaTypeNames, clip_grads.clip_grad_by_total_norm_fp32)
 
 
 def _patch_shared_embedding_setup() -> None:
@@ -191,8 +191,8 @@ def _patch_shared_embedding_setup() -> None:
     # CPU tensor's .cuda() is the tensor itself.
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_cpu(
-        LanguageModule.setup_embeddings_and_output_layer)
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _CudaIsCpu, LanguageModule.setup_embeddings_and_output_layer)
 
 
 class _CudaIsCpu(torch.overrides.TorchFunctionMode):
@@ -204,10 +204,11 @@ class _CudaIsCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _with_cuda_as_cpu(function):
+def _within(mode: type[torch.overrides.TorchFunctionMode], function):
+    """`function` run inside a fresh `mode()` at every call."""
     @functools.wraps(function)
     def call(*args, **kwargs):
-        with _CudaIsCpu():
+        with mode():
             return function(*args, **kwargs)
 
     return call
@@ -281,11 +282,3 @@ class _CudaTypeNames(torch.overrides.TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
 
-
-def _with_cuda_type_names(function):
-    @functools.wraps(function)
-    def call(*args, **kwargs):
-        with _CudaTypeNames():
-            return function(*args, **kwargs)
-
-    return call
