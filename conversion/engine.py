@@ -262,7 +262,6 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor 
         yield from zip(rule.hf_names(indices), hf_tensors)
 
 
-
 class _Received:
     """ShardLayout of a tensor another pipeline stage gathered and sends whole: nothing to gather here."""
 

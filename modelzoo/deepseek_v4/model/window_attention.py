@@ -116,6 +116,10 @@ class _Chunk:
     def scores(self):
         return self.blocked(matmul_fp32(self.q_rows, self.keys.transpose(1, 2)))
 
+    def weighted_keys(self, weights):
+        """weights [B * n, W * h, keys] (in the keys' dtype) -> sum over keys of weight x key: [B, n * W, h, D]."""
+        return self.blocked(torch.bmm(weights, self.keys)).flatten(1, 2)
+
     def add_key_grads(self, kv_grad, compressed_grad, keys_grad):
         """keys_grad [B * n, 2W + C, D]: overlap-add the window halves into kv's rows, sum the compressed over blocks."""
         window = self.window
@@ -143,7 +147,7 @@ class _WindowSinkAttention(torch.autograd.Function):
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for chunk in _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
             probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
-            out[:, chunk.rows_slice] = chunk.blocked(torch.bmm(probs.flatten(0, 1).flatten(1, 2), chunk.keys)).flatten(1, 2)
+            out[:, chunk.rows_slice] = chunk.weighted_keys(probs.flatten(0, 1).flatten(1, 2))
             lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
         ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
         ctx.scale, ctx.window, ctx.ratio, ctx.first_position, ctx.halo = scale, window, ratio, first_position, halo
@@ -167,7 +171,7 @@ class _WindowSinkAttention(torch.autograd.Function):
             value_grads = chunk.blocked(matmul_fp32(rows_grad, chunk.keys.transpose(1, 2)))
             dscores, probs = _score_gradients(chunk.scores(), chunk.visible, lse_chunk, value_grads, delta, scale, dtype)
             dscores, probs = dscores.flatten(0, 1).flatten(1, 2), probs.flatten(0, 1).flatten(1, 2)
-            q_grad[:, chunk.rows_slice] = chunk.blocked(torch.bmm(dscores, chunk.keys)).flatten(1, 2)
+            q_grad[:, chunk.rows_slice] = chunk.weighted_keys(dscores)
             keys_grad = matmul_fp32(dscores.transpose(1, 2), chunk.q_rows) + matmul_fp32(probs.transpose(1, 2), rows_grad)
             chunk.add_key_grads(kv_grad, compressed_grad, keys_grad)
         compressed_grad = None if compressed is None else compressed_grad.to(compressed.dtype)
