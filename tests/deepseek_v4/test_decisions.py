@@ -71,3 +71,21 @@ def test_replay_refuses_a_recording_of_another_layout_or_length(tiny):
         with pytest.raises(ValueError, match=r"recorded decision has shape \(64, 2\), this forward needs \(96, 2\) \(same batch"):
             with replaying_decisions(model, decisions):
                 provider.token_logprobs(model, random_tokens(seq=48))
+
+
+def test_replay_refuses_an_indexer_pick_of_an_entry_not_complete_at_its_token(tiny):
+    """The attention scores only the entries complete at each query, so a replayed pick of a later one (no causal
+    indexer makes it) is refused, not dropped: token 0 has no complete entry at all."""
+    ids = random_tokens(seed=5)
+    with runtime.parallel(), torch.no_grad():
+        provider, model = _loaded(tiny)
+        with recording_decisions(model) as decisions:
+            provider.token_logprobs(model, ids)
+        name, indexer = next((n, m) for n, m in model.named_modules() if isinstance(m, Indexer))
+        early = decisions[name].clone()
+        early[0, 0, 0] = 0
+        with pytest.raises(ValueError, match=r"the replayed pick 0 of token 0 in row 0 is a compressed entry not "
+                                             rf"complete at that token \(entries before 0 are, at compress ratio "
+                                             rf"{indexer.ratio}\); a causal indexer never picks it"):
+            with replaying_decisions(model, {**decisions, name: early}):
+                provider.token_logprobs(model, ids)

@@ -39,9 +39,20 @@ CASES = {
     "sliding, window as long as the sequence": (1, 16, 0, 16, None),
     "CSA-like: each query's own picks, some slots empty": (2, 45, 11, 8, "picks"),
     "HCA-like: the complete windows (ratio 8)": (1, 40, 5, 8, "ratio"),
+    # with the ratio given, each chunk scores only the entries complete at its last query
+    "CSA: picks of complete entries, ratio 4": (2, 45, 11, 8, "complete picks"),
 }
 PICKS = 4      # entries per query in the CSA-like case
 RATIO = 8      # tokens per entry in the HCA-like case
+CSA_RATIO = 4  # tokens per entry in the CSA case with complete picks
+
+
+def _picked(picks, compressed_len):
+    """[B, S, k] entry ids (-1: none) -> [B, S, C] bool."""
+    visible = torch.zeros(*picks.shape[:2], compressed_len, dtype=torch.bool)
+    for (b, t, _), entry in zip(torch.nonzero(picks >= 0).tolist(), picks[picks >= 0].tolist()):
+        visible[b, t, entry] = True
+    return visible
 
 
 def _inputs(batch, seq_len, compressed_len, visibility, heads=3, dim=16, seed=0):
@@ -54,12 +65,16 @@ def _inputs(batch, seq_len, compressed_len, visibility, heads=3, dim=16, seed=0)
     if visibility == "picks":  # distinct entries per query, as a top-k gives them; about a quarter of the slots empty
         picks = torch.rand(batch, seq_len, compressed_len, generator=generator).argsort(-1)[..., :PICKS]
         picks = picks.masked_fill(torch.rand(picks.shape, generator=generator) < 0.25, -1)
-        visible = torch.zeros(batch, seq_len, compressed_len + 1, dtype=torch.bool)
-        visible.scatter_(-1, torch.where(picks >= 0, picks, compressed_len), True)
-        visible = visible[..., :compressed_len]
+        visible = _picked(picks, compressed_len)
     elif visibility == "ratio":
         ratio = RATIO
         visible = (torch.arange(compressed_len) < (torch.arange(seq_len)[:, None] + 1) // RATIO)[None]
+    elif visibility == "complete picks":  # PICKS of the entries complete at each query (fewer early on: -1)
+        ratio = CSA_RATIO
+        complete = torch.arange(compressed_len) < (torch.arange(seq_len)[:, None] + 1) // CSA_RATIO   # [S, C]
+        order = torch.rand(batch, seq_len, compressed_len, generator=generator).masked_fill(~complete, 2.0).argsort(-1)
+        picks = order[..., :PICKS].masked_fill(~complete.expand(batch, -1, -1).gather(-1, order[..., :PICKS]), -1)
+        visible = _picked(picks, compressed_len)
     return q, kv, sinks, picks, ratio, visible
 
 

@@ -91,17 +91,37 @@ class Indexer(Decider):
         q = apply_rotary(q, cos, sin, unsqueeze_dim=2)                                            # [B, S, h, d]
         head_weights = self.linear_weights(hidden_states)                                         # [B, S, h]
         if layout.plain:
-            return self.decide(self.top_k(q, compressed, head_weights, layout.positions))
+            picks = self.top_k(q, compressed, head_weights, layout.positions)
+            return self.decide_complete(picks, lambda: (layout.positions + 1) // self.ratio)
         picks = torch.full((batch, seq_len, min(self.topk, windows.count)), -1, dtype=torch.long,
                            device=hidden_states.device)
+        complete = torch.zeros(batch, seq_len, dtype=torch.long, device=hidden_states.device)
         for (row, start, length), (first_entry, entries) in zip(whole.sequences, windows.per_sequence(whole)):
             tokens, own = queries_of_sequence(layout, row, start, length), slice(first_entry, first_entry + entries)
             if isinstance(tokens, torch.Tensor) and not len(tokens):  # no token of it on this context-parallel rank
                 continue
+            positions = layout.positions[row:row + 1, tokens]
             local = self.top_k(q[row:row + 1, tokens], compressed[row:row + 1, own], head_weights[row:row + 1, tokens],
-                               layout.positions[row:row + 1, tokens])[0]
+                               positions)[0]
             picks[row, tokens, : local.shape[-1]] = torch.where(local >= 0, local + first_entry, -1)
-        return self.decide(picks)
+            complete[row, tokens] = first_entry + (positions[0] + 1) // self.ratio
+        return self.decide_complete(picks, lambda: complete)
+
+    def decide_complete(self, picks: torch.Tensor, complete) -> torch.Tensor:
+        """`decide`, refusing replayed picks of entries not complete at their query: the attention scores only the
+        complete ones (model/window_attention.py), and no causal indexer picks another. `complete()` [B, S]: the
+        end of each query's complete entries."""
+        picks = self.decide(picks)
+        if self.decision_hook is not None:
+            limits = complete()
+            late = torch.nonzero(picks >= limits[..., None])
+            if len(late):
+                row, token, slot = late[0].tolist()
+                raise ValueError(f"DeepSeek-V4 indexer: the replayed pick {picks[row, token, slot].item()} of token "
+                                 f"{token} in row {row} is a compressed entry not complete at that token (entries "
+                                 f"before {limits[row, token].item()} are, at compress ratio {self.ratio}); a causal "
+                                 f"indexer never picks it")
+        return picks
 
     def top_k(self, q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,14 @@ none. All query heads read one shared K = V head, so the heads fold into the GEM
                    [W * heads, D] x [D, 2W] product, which cuBLAS runs near its peak at V4's head_dim 512
                    (flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to
                    their backward);
-    entries        the C compressed entries join each block's keys ([D, 2W + C]), masked per query: on HCA
-                   layers by the rule "entry c is complete", c < (t + 1) // ratio, on CSA layers by the query's
-                   picks. The mask is built per chunk of queries, never [S, C] for the sequence, so memory stays
-                   linear in S; the work is O(S x C) = O(S^2 / ratio), since a query's CSA picks are scored against
-                   every entry and masked. Gathering each query's k picks instead (O(S x k) work) was slower on an
-                   H100: [heads, D] x [D, k] products per query are bound by reading the gathered entries.
+    entries        the compressed entries complete before a chunk's last query (C_n of the C) join its blocks'
+                   keys ([D, 2W + C_n]), masked per query: on HCA layers by the rule "entry c is complete",
+                   c < (t + 1) // ratio, on CSA layers by the query's picks (a pick is always a complete entry).
+                   The mask is built per chunk of queries, never [S, C] for the sequence, so memory stays linear
+                   in S; the work is O(S x C / 2) = O(S^2 / (2 ratio)), since a query's CSA picks are scored
+                   against every entry complete so far and masked. Gathering each query's k picks instead
+                   (O(S x k) work) was slower on an H100: [heads, D] x [D, k] products per query are bound by
+                   reading the gathered entries.
 
 Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32 over the
 window keys, the entries and the sink together; probabilities are rounded to the input dtype only to multiply
@@ -72,14 +74,16 @@ class _Chunk:
     """Query blocks [first, last) of one call: their query rows, keys and mask.
 
     q is [B, S, h, D] with S a multiple of W; kv is [B, W + S, D], padded with W zero rows in front so that
-    block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None and joins every block's
-    keys: `keys` [B * n, 2W (+ C), D]. Which entries each query sees (its picks, or the complete windows) is
-    built for this chunk's queries only, [B, n, W, 1, C]: never for the whole sequence.
+    block i's window keys are its rows iW .. iW + 2W; compressed is [B, C, D] or None, and its first `entries`
+    rows (those any query of the chunk can see) join every block's keys: `keys` [B * n, 2W (+ entries), D].
+    Which entries each query sees (its picks, or the complete windows) is built for this chunk's queries only,
+    [B, n, W, 1, entries]: never for the whole sequence.
     """
 
     def __init__(self, q, kv, compressed, picks, ratio, window, first, last, first_position=0, halo=0):
         batch, _, heads, dim = q.shape
         self.batch, self.heads, self.blocks, self.window = batch, heads, last - first, window
+        self.entries = _entries_seen(compressed, ratio, window, last, first_position)
         self.rows_slice = slice(first * window, last * window)
         self.q_rows = self.rows(q)                                                         # [B * n, W * h, D]
         blocks = kv[:, first * window:(last + 1) * window].unfold(1, 2 * window, window).transpose(-1, -2)
@@ -87,14 +91,14 @@ class _Chunk:
         key = query[:, :1] - window + torch.arange(2 * window, device=q.device)            # [n, 1, 2W]
         visible = (in_window(query, key, window) & (key >= -halo)).view(1, self.blocks, window, 1, -1)
         if compressed is not None:
-            entries = compressed.shape[1]
-            blocks = torch.cat([blocks, compressed.unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
+            entries = self.entries
+            blocks = torch.cat([blocks, compressed[:, :entries].unsqueeze(1).expand(-1, self.blocks, -1, -1)], dim=2)
             if picks is None:  # HCA: every complete window
                 seen = (torch.arange(entries, device=q.device) < (query + first_position + 1) // ratio)[None]
             else:              # CSA: the query's top-k (-1: an empty slot, scattered past the last entry)
                 chunk_picks = picks[:, self.rows_slice]
                 seen = torch.zeros(*chunk_picks.shape[:2], entries + 1, dtype=torch.bool, device=q.device)
-                seen.scatter_(-1, torch.where(chunk_picks >= 0, chunk_picks, entries), True)
+                seen.scatter_(-1, torch.where((chunk_picks >= 0) & (chunk_picks < entries), chunk_picks, entries), True)
                 seen = seen[..., :entries]
             seen = seen.reshape(seen.shape[0], self.blocks, window, 1, entries)
             visible = torch.cat([visible.expand(seen.shape[0], -1, -1, -1, -1), seen], -1)
@@ -128,16 +132,33 @@ class _Chunk:
         kv_grad[:, start:stop] += keys_grad[:, :, :window].flatten(1, 2)
         kv_grad[:, start + window:stop + window] += keys_grad[:, :, window:2 * window].flatten(1, 2)
         if compressed_grad is not None:
-            compressed_grad += keys_grad[:, :, 2 * window:].sum(1)
+            compressed_grad[:, :self.entries] += keys_grad[:, :, 2 * window:].sum(1)
+
+
+def _entries_seen(compressed, ratio: int | None, window: int, last: int, first_position: int) -> int:
+    """How many compressed entries the queries of blocks before `last` can see: those complete at the last query,
+    (first_position + last * W) // ratio, a causal limit CSA picks keep too; all of them without a ratio."""
+    if compressed is None:
+        return 0
+    if ratio is None:
+        return compressed.shape[1]
+    return min(compressed.shape[1], (first_position + last * window) // ratio)
 
 
 def _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
-    blocks = q.shape[1] // window
-    keys = 2 * window + (0 if compressed is None else compressed.shape[1])
-    per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * window * q.shape[2] * keys))
-    for first in range(0, blocks, per_chunk):
-        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks), first_position,
-                     halo)
+    """Consecutive runs of query blocks, each as long as its scores (blocks x W x h x keys) fit SCORE_BUDGET."""
+    blocks, rows_per_block = q.shape[1] // window, q.shape[0] * window * q.shape[2]
+
+    def score_elements(first, last):
+        return (last - first) * rows_per_block * (2 * window + _entries_seen(compressed, ratio, window, last,
+                                                                             first_position))
+    first = 0
+    while first < blocks:
+        last = first + 1
+        while last < blocks and score_elements(first, last + 1) <= SCORE_BUDGET:
+            last += 1
+        yield _Chunk(q, kv, compressed, picks, ratio, window, first, last, first_position, halo)
+        first = last
 
 
 class _WindowSinkAttention(torch.autograd.Function):
@@ -187,9 +208,10 @@ def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor
 
     Query t sees the window keys t - window < s <= t and, of the C compressed entries (kv rows halo + S + c), those
     in `picks` [B, S, k] (entry ids, -1 for none; CSA) or, without picks, the complete windows
-    c < (first_position + t + 1) // ratio (HCA). kv's first `halo` rows (< window) are the window keys just before
-    the queries (under context parallelism, where a rank's run of a sequence starts past its first token). The same
-    result as `eager_sink_attention` with that mask.
+    c < (first_position + t + 1) // ratio (HCA). Given both picks and the ratio, picks must be complete windows
+    (the indexer's are): entries past a chunk's last complete one are not scored. kv's first `halo` rows (< window)
+    are the window keys just before the queries (under context parallelism, where a rank's run of a sequence starts
+    past its first token). The same result as `eager_sink_attention` with that mask.
     """
     seq_len = q.shape[1]
     if not 0 <= halo < window:
