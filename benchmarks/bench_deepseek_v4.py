@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import hf_step, matmul_peak_tflops, megatron_step, results_file, time_steps  # noqa: E402
+from bench_dense import hf_step, matmul_peak_tflops, megatron_step, results_file, run_record, time_steps  # noqa: E402
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -252,8 +252,9 @@ def main() -> None:
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
     suffix = "" if args.recompute == "none" else f"_{args.recompute}_recompute"
     out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
-    out.write_text(json.dumps({"peak_tflops": peak, "config_name": args.config, "seq": args.seq,
-                               "recompute": args.recompute, "config": config, "results": results}, indent=2))
+    out.write_text(json.dumps({**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config,
+                               "seq": args.seq, "recompute": args.recompute, "config": config, "results": results},
+                              indent=2))
 
 
 if __name__ == "__main__":

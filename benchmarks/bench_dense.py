@@ -20,7 +20,10 @@ recorded as such and the run goes on.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +45,25 @@ RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_record(script: str) -> dict:
+    """Where a result came from: date (UTC), GPU, torch, the commit (git, else $MODELZOO_COMMIT for a copy of the tree
+    without .git) and the command as typed here (`--out` left out: it names where this machine wrote it)."""
+    arguments, skip = [], False
+    for argument in sys.argv[1:]:
+        if skip or argument == "--out" or argument.startswith("--out="):
+            skip = argument == "--out" and not skip
+            continue
+        arguments.append(argument)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("MODELZOO_COMMIT", "unknown")
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+            "command": " ".join(["python3", f"benchmarks/{script}", *arguments])}
 
 
 def results_file(name: str) -> str:
@@ -185,9 +207,8 @@ def main() -> None:
         print(f"{r['model']:<22}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>10.0f}{r['tflops']:>9.0f}"
               f"{r['mfu']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>13.2f}{memory_ratio:>11.2f}")
     with open(args.out or results_file(result_name), "w") as handle:
-        json.dump({"peak_tflops": peak, "batch": batch, "seq": seq, "recompute": args.recompute,
-                   "command": "python3 benchmarks/bench_dense.py " + " ".join(sys.argv[1:]), "results": results},
-                  handle, indent=2)
+        json.dump({**run_record("bench_dense.py"), "peak_tflops": peak, "batch": batch, "seq": seq,
+                   "recompute": args.recompute, "results": results}, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -103,13 +103,15 @@ def main() -> None:
 
     import torch
 
+    sys.path.insert(0, str(HERE))
+    from bench_dense import run_record
+
     probes: list[dict] = []
     longest = longest_fit(lambda seq: probe(args, seq, probes), args.start, args.max, args.refine, args.granularity)
     print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {args.recompute})")
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
     out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{args.recompute}_{gpu}.json")
-    out.write_text(json.dumps({"command": "python3 benchmarks/bench_longest_fit.py " + " ".join(sys.argv[1:]),
-                               "gpu": torch.cuda.get_device_name(), "longest_fit": longest, "probes": probes},
+    out.write_text(json.dumps({**run_record("bench_longest_fit.py"), "longest_fit": longest, "probes": probes},
                               indent=2))
 
 
