@@ -41,7 +41,7 @@ from torch import Tensor
 from modelzoo import gpt_call, sequence_parallel
 from modelzoo.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
-from modelzoo.recompute import recomputed
+from modelzoo.recompute import full_recompute_groups, recomputed
 from modelzoo.replicated_kv import QKVParallelLinear
 from modelzoo.sequences import TokenLayout
 
@@ -147,12 +147,22 @@ class LoopCoderDecoder(MegatronModule):
         self.layers = torch.nn.ModuleList(LoopCoderLayer(config, loop_window_size, attention_impl, train_gate,
                                                          num_kv_heads) for _ in range(config.num_layers))
         self.final_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
-        self.recompute_layers = config.recompute_granularity == "full"
+        # Megatron's full recompute, applied alike to each loop: runs of layers, each run under one checkpoint or none
+        self.recompute_groups = full_recompute_groups(config, config.num_layers)
 
-    def _run(self, layer: LoopCoderLayer, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
-             loop1_kv: LoopKV | None):
-        # loop-1 K/V are outputs of a recomputed layer and loop-2 inputs to it: gradients reach them through both
-        return recomputed(layer, self.recompute_layers)(hidden, rotary, layout, loop1_kv)
+    def _run(self, layers: range, checkpointed: bool, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
+             loop1_kv: list[LoopKV] | None) -> tuple[Tensor, list[LoopKV]]:
+        """One loop's pass through `layers` (loop 2 when given every layer's loop-1 K/V) -> hidden, their K/V."""
+        def run(hidden, *layer_kv):
+            produced = []
+            for index, kv in zip(layers, layer_kv):
+                hidden, kv = self.layers[index](hidden, rotary, layout, kv)
+                produced.append(kv)
+            return hidden, produced
+
+        # loop-1 K/V are outputs of a recomputed run and loop-2 inputs to it: gradients reach them through both
+        layer_kv = [None] * len(layers) if loop1_kv is None else [loop1_kv[index] for index in layers]
+        return recomputed(run, checkpointed)(hidden, *layer_kv)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # Megatron's default treats a plain ModuleList as replicated; each layer knows its own TP split
@@ -165,12 +175,12 @@ class LoopCoderDecoder(MegatronModule):
 
     def forward(self, hidden: Tensor, rotary: Tensor, loop_num: int, layout: TokenLayout) -> Tensor:
         loop1_kv: list[LoopKV] = []
-        for layer in self.layers:
-            hidden, kv = self._run(layer, hidden, rotary, layout, None)
-            loop1_kv.append(kv)
+        for layers, checkpointed in self.recompute_groups:
+            hidden, kv = self._run(layers, checkpointed, hidden, rotary, layout, None)
+            loop1_kv += kv
         if loop_num == 2:
-            for layer, kv in zip(self.layers, loop1_kv):
-                hidden, _ = self._run(layer, hidden, rotary, layout, kv)
+            for layers, checkpointed in self.recompute_groups:
+                hidden, _ = self._run(layers, checkpointed, hidden, rotary, layout, loop1_kv)
         return self.final_layernorm(hidden)
 
 

@@ -37,9 +37,6 @@ class LoopCoderProvider(ModelProvider):
         overrides = self.config_overrides
         if overrides.get("pipeline_model_parallel_size", 1) > 1:
             raise ValueError(PIPELINE_REFUSAL.format(pp=overrides["pipeline_model_parallel_size"]))
-        if overrides.get("recompute_granularity") == "full" and overrides.get("recompute_method") == "block":
-            raise ValueError("LoopCoder: full recompute checkpoints every layer call in both loops; "
-                             "recompute_method='block' is not supported")
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         if pp > 1:

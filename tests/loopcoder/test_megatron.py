@@ -70,15 +70,38 @@ def test_logprobs_and_every_gradient_match_the_hf_reference(reference, tp):
         assert_matches_reference(logprobs, grads, reference_logprobs, reference_grads)
 
 
+FULL_RECOMPUTE = {  # Megatron's settings -> how often each layer runs in a step (two loops, x 2 where recomputed)
+    "full-uniform-1": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                       [4, 4]),
+    "full-uniform-2": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+                       [4, 4]),
+    "full-block-1": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+                     [4, 2]),
+}
+
+
 @pytest.mark.parametrize("overrides", [
     {"recompute_granularity": "selective"},
-    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    *(overrides for overrides, _ in FULL_RECOMPUTE.values()),
     {"attention": "fast"},
-], ids=["selective-recompute", "full-recompute", "fast-attention"])
+], ids=["selective-recompute", *FULL_RECOMPUTE, "fast-attention"])
 def test_recompute_and_fast_attention_give_the_same_gradients(reference, overrides):
     ids, reference_logprobs, reference_grads = reference
     logprobs, grads = runtime.run(_megatron_logprobs_and_grads, 1, 1, ids, overrides)[0]
     assert_matches_reference(logprobs, grads, reference_logprobs, reference_grads)
+
+
+@pytest.mark.parametrize("setting", FULL_RECOMPUTE)
+def test_full_recompute_reruns_the_layers_it_names(setting):
+    overrides, expected_runs = FULL_RECOMPUTE[setting]
+    with runtime.parallel(tp=1):
+        provider = build_provider(LOOPCODER, **overrides)
+        model = provider.provide()
+        runs = [0] * len(model.decoder.layers)
+        for index, layer in enumerate(model.decoder.layers):
+            layer.register_forward_pre_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
+        (-provider.token_logprobs(model, batch()).mean()).backward()
+    assert runs == expected_runs
 
 
 @pytest.mark.parametrize("leaky", [False, True], ids=["ours", "control-keeps-keys-on-module"])
@@ -126,7 +149,6 @@ def test_gate_is_frozen_by_default_and_everything_else_trains():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"pipeline_model_parallel_size": 2}, "pipeline parallel size 2 is refused: loop 2 of layer l"),
-    ({"recompute_granularity": "full", "recompute_method": "block"}, "recompute_method='block' is not supported"),
 ])
 def test_unsupported_layouts_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
