@@ -22,11 +22,12 @@ import torch
 Function = TypeVar("Function", bound=Callable)
 
 
-def fused(fn: Function) -> Function:
+def fused(fn: Function | None = None, *, shapes: int | None = None) -> Function:
     """`fn` compiled on first use with CUDA tensors (the first argument decides); eager on CPU.
 
     Compiled for static shapes: one kernel per distinct input shape, few in training, where the shapes
-    repeat every step (past torch's recompile limit, 8 by default, a new shape runs eagerly). torch's
+    repeat every step (past torch's recompile limit, 8 by default, a new shape runs eagerly; `@fused(shapes=N)`
+    raises that limit to N for this function's calls alone). torch's
     default makes a dimension symbolic once it has seen two sizes of it. On the H200 (torch 2.11,
     2026-12-03) that default went wrong twice:
     - once the hyper-connection and query kernels had been compiled for another hidden size
@@ -36,6 +37,8 @@ def fused(fn: Function) -> Function:
     - a reduction of symbolic length is slower: the attention softmax over 256 and 288 keys (after a
       call with 1280) took 135 / 133 us per call, 90 / 77 us compiled for static shapes (launch included).
     """
+    if fn is None:
+        return functools.partial(fused, shapes=shapes)
     compiled = None
 
     @functools.wraps(fn)
@@ -45,7 +48,10 @@ def fused(fn: Function) -> Function:
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
-        return compiled(*args, **kwargs)
+        if shapes is None:
+            return compiled(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=shapes):
+            return compiled(*args, **kwargs)
 
     run.eager = fn
     return run

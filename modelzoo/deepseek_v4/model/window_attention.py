@@ -8,14 +8,14 @@ none. All query heads read one shared K = V head, so the heads fold into the GEM
                    [W * heads, D] x [D, 2W] product, which cuBLAS runs near its peak at V4's head_dim 512
                    (flex_attention's Triton kernels did not: 55 ms of the large benchmark's 184 ms step went to
                    their backward);
-    entries        the compressed entries complete before a chunk's last query (C_n of the C) join its blocks'
-                   keys ([D, 2W + C_n]), masked per query: on HCA layers by the rule "entry c is complete",
-                   c < (t + 1) // ratio, on CSA layers by the query's picks (a pick is always a complete entry).
-                   The mask is built per chunk of queries, never [S, C] for the sequence, so memory stays linear
-                   in S; the work is O(S x C / 2) = O(S^2 / (2 ratio)), since a query's CSA picks are scored
-                   against every entry complete so far and masked. Gathering each query's k picks instead
-                   (O(S x k) work) was slower on an H100: [heads, D] x [D, k] products per query are bound by
-                   reading the gathered entries.
+    entries        the compressed entries complete before a chunk's last query (rounded up to a quarter of the
+                   C, C_n of them) join its blocks' keys ([D, 2W + C_n]), masked per query: on HCA layers by the
+                   rule "entry c is complete", c < (t + 1) // ratio, on CSA layers by the query's picks (a pick is
+                   always a complete entry). The mask is built per chunk of queries, never [S, C] for the
+                   sequence, so memory stays linear in S; the work is O(S x C) = O(S^2 / ratio) (5/8 of S x C),
+                   since a query's CSA picks are scored against every entry complete so far and masked. Gathering
+                   each query's k picks instead (O(S x k) work) was slower on an H100: [heads, D] x [D, k]
+                   products per query are bound by reading the gathered entries.
 
 Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32 over the
 window keys, the entries and the sink together; probabilities are rounded to the input dtype only to multiply
@@ -36,6 +36,10 @@ from modelzoo.deepseek_v4.model.layers import matmul_fp32
 from modelzoo.fused import fused
 
 SCORE_BUDGET = 2**27   # score elements per chunk of queries (512 MiB in fp32)
+ENTRY_BUCKETS = 4      # distinct counts of compressed entries the chunks of one call score against
+# shapes each fused piece is compiled for in one process (torch's default, 8, is spent by one long row's sliding,
+# HCA and CSA chunks; past it a new shape runs the eager ops, ~25% slower per step at 65536 tokens)
+FUSED_SHAPES = 32
 
 
 def _logits(scores, visible, scale: float):
@@ -43,7 +47,7 @@ def _logits(scores, visible, scale: float):
     return (scores * scale).masked_fill(~visible, float("-inf"))
 
 
-@fused
+@fused(shapes=FUSED_SHAPES)
 def _probabilities(scores, visible, sinks, scale: float, dtype: torch.dtype):
     """Scores [B, n, W, h, keys] (fp32, unscaled) -> probabilities (`dtype`) and log-sum-exp [B, n, W, h] (fp32)."""
     scores = _logits(scores, visible, scale)
@@ -53,14 +57,14 @@ def _probabilities(scores, visible, sinks, scale: float, dtype: torch.dtype):
     return torch.exp(scores - lse.unsqueeze(-1)).to(dtype), lse
 
 
-@fused
+@fused(shapes=FUSED_SHAPES)
 def _output_terms(out_grad, out, lse, sinks):
     """dO . O per row [B, n, W, h] and the sinks' gradient over these rows, -sum p_sink * (dO . O) [h]."""
     delta = (out_grad.float() * out.float()).sum(-1).view(lse.shape)
     return delta, -(torch.exp(sinks.float() - lse) * delta).flatten(0, -2).sum(0)
 
 
-@fused
+@fused(shapes=FUSED_SHAPES)
 def _score_gradients(scores, visible, lse, value_grads, delta, scale: float, dtype: torch.dtype):
     """-> d(loss)/d(unscaled score) = scale * p * (dO . v - dO . O) and p, both in `dtype` for the GEMMs.
 
@@ -136,29 +140,26 @@ class _Chunk:
 
 
 def _entries_seen(compressed, ratio: int | None, window: int, last: int, first_position: int) -> int:
-    """How many compressed entries the queries of blocks before `last` can see: those complete at the last query,
-    (first_position + last * W) // ratio, a causal limit CSA picks keep too; all of them without a ratio."""
+    """How many compressed entries the queries of blocks before `last` are scored against: at least those complete
+    at the last query, (first_position + last * W) // ratio (a causal limit CSA picks keep too), rounded up to a
+    multiple of C / ENTRY_BUCKETS so that the chunks of a sequence have few distinct shapes (each shape is one
+    compilation of the fused softmax pieces); all C without a ratio."""
     if compressed is None:
         return 0
+    entries = compressed.shape[1]
     if ratio is None:
-        return compressed.shape[1]
-    return min(compressed.shape[1], (first_position + last * window) // ratio)
+        return entries
+    complete, bucket = (first_position + last * window) // ratio, -(-entries // ENTRY_BUCKETS)
+    return min(entries, -(-complete // bucket) * bucket)
 
 
 def _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
-    """Consecutive runs of query blocks, each as long as its scores (blocks x W x h x keys) fit SCORE_BUDGET."""
-    blocks, rows_per_block = q.shape[1] // window, q.shape[0] * window * q.shape[2]
-
-    def score_elements(first, last):
-        return (last - first) * rows_per_block * (2 * window + _entries_seen(compressed, ratio, window, last,
-                                                                             first_position))
-    first = 0
-    while first < blocks:
-        last = first + 1
-        while last < blocks and score_elements(first, last + 1) <= SCORE_BUDGET:
-            last += 1
-        yield _Chunk(q, kv, compressed, picks, ratio, window, first, last, first_position, halo)
-        first = last
+    blocks = q.shape[1] // window
+    keys = 2 * window + (0 if compressed is None else compressed.shape[1])
+    per_chunk = max(1, SCORE_BUDGET // (q.shape[0] * window * q.shape[2] * keys))
+    for first in range(0, blocks, per_chunk):
+        yield _Chunk(q, kv, compressed, picks, ratio, window, first, min(first + per_chunk, blocks), first_position,
+                     halo)
 
 
 class _WindowSinkAttention(torch.autograd.Function):
