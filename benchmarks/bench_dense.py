@@ -13,8 +13,9 @@ MFU is against a bf16 matmul peak measured in the same run. FLOPs count every ma
 (6 x parameters-in-matmuls per token, both loops for LoopCoder) plus attention over the entries
 actually attended (causal: s(s+1)/2 pairs; window W: about s*W pairs), x3 for forward + backward; recomputed
 work is not counted. `--recompute`: Megatron's `selective` (core attention) or `full` (every layer) for our models,
-transformers' gradient checkpointing (its only kind) for `full` on theirs. A model that runs out of GPU memory is
-recorded as such and the run goes on.
+transformers' gradient checkpointing (its only kind) for `full` on theirs; `--recompute full --recompute-layers N`
+recomputes only the first N layers (Megatron's `recompute_method="block"`, ours alone). A model that runs out of GPU
+memory is recorded as such and the run goes on.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run_record(script: str) -> dict:
-    """Where a result came from: date (UTC), GPU, torch, the commit (git, else $MODELZOO_COMMIT for a copy of the tree
-    without .git) and the command as typed here (`--out` left out: it names where this machine wrote it)."""
+    """Where a result came from: date (UTC), GPU, torch, the commit ($MODELZOO_COMMIT where set, for a copy of the tree
+    whose .git is not its own; else git's) and the command as typed (`--out` left out: it names where this machine
+    wrote it)."""
     arguments, skip = [], False
     for argument in sys.argv[1:]:
         if skip or argument == "--out" or argument.startswith("--out="):
@@ -57,10 +59,11 @@ def run_record(script: str) -> dict:
             continue
         arguments.append(argument)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip()
+        commit = os.environ.get("MODELZOO_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("MODELZOO_COMMIT", "unknown")
+        commit = "unknown"
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
             "command": " ".join(["python3", f"benchmarks/{script}", *arguments])}
@@ -137,10 +140,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--recompute", choices=sorted(RECOMPUTE), default="none")
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="with --recompute full: only the first N layers (recompute_method='block'); "
+                             "transformers' models are skipped")
     args = parser.parse_args()
     batch, seq = args.batch, args.seq
-    default_shape = (batch, seq, args.recompute) == (2, 4096, "none")
-    result_name = "dense" if default_shape else f"dense_b{batch}_seq{seq}_recompute_{args.recompute}"
+    recompute = dict(RECOMPUTE[args.recompute])
+    setting = args.recompute
+    if args.recompute_layers is not None:
+        if args.recompute != "full":
+            parser.error("--recompute-layers goes with --recompute full")
+        recompute.update(recompute_method="block", recompute_num_layers=args.recompute_layers)
+        setting = f"full_block{args.recompute_layers}"
+    default_shape = (batch, seq, setting) == (2, 4096, "none")
+    result_name = "dense" if default_shape else f"dense_b{batch}_seq{seq}_recompute_{setting}"
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -181,21 +194,20 @@ def main() -> None:
         if args.recompute == "full":
             model.gradient_checkpointing_enable()
             model.train()  # transformers checkpoints only in training mode
-        if args.recompute != "selective":  # transformers has no selective recompute
+        if args.recompute != "selective" and args.recompute_layers is None:  # transformers recomputes all or none
             record(name, config, loops, hf_step(model, ids))
         del model
     with runtime.parallel(tp=1):
         for name, config, loops in (("megatron-llama-fast", llama, 1), ("megatron-loopcoder", loopcoder, 2)):
             if not wanted(name):
                 continue
-            provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast",
-                                      **RECOMPUTE[args.recompute])
+            provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast", **recompute)
             model = provider.provide()
             record(name, config, loops, megatron_step(provider, model, ids))
             del model
 
     baseline = next((r for r in results if r["model"] == "hf-llama-sdpa" and "tokens_per_s" in r), None)
-    print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {batch} x {seq}; recompute {args.recompute}")
+    print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {batch} x {seq}; recompute {setting}")
     print(f"{'model':<22}{'ms/step':>9}{'tok/s':>10}{'TFLOP/s':>9}{'MFU':>7}{'mem GiB':>9}{'tok/s vs HF':>13}{'mem vs HF':>11}")
     for r in results:
         if r.get("out_of_memory"):
@@ -208,7 +220,7 @@ def main() -> None:
               f"{r['mfu']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>13.2f}{memory_ratio:>11.2f}")
     with open(args.out or results_file(result_name), "w") as handle:
         json.dump({**run_record("bench_dense.py"), "peak_tflops": peak, "batch": batch, "seq": seq,
-                   "recompute": args.recompute, "results": results}, handle, indent=2)
+                   "recompute": setting, "results": results}, handle, indent=2)
 
 
 if __name__ == "__main__":
