@@ -52,12 +52,12 @@ def run_record(script: str) -> dict:
     """Where a result came from: date (UTC), GPU, torch, the commit ($MODELZOO_COMMIT where set, for a copy of the tree
     whose .git is not its own; else git's) and the command as typed (`--out` left out: it names where this machine
     wrote it)."""
-    arguments, skip = [], False
-    for argument in sys.argv[1:]:
-        if skip or argument == "--out" or argument.startswith("--out="):
-            skip = argument == "--out" and not skip
-            continue
-        arguments.append(argument)
+    arguments, given = [], iter(sys.argv[1:])
+    for argument in given:
+        if argument == "--out":
+            next(given, None)  # and its value
+        elif not argument.startswith("--out="):
+            arguments.append(argument)
     try:
         commit = os.environ.get("MODELZOO_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,

@@ -95,7 +95,7 @@ class Indexer(Decider):
             return self.decide_complete(picks, lambda: (layout.positions + 1) // self.ratio)
         picks = torch.full((batch, seq_len, min(self.topk, windows.count)), -1, dtype=torch.long,
                            device=hidden_states.device)
-        complete = torch.zeros(batch, seq_len, dtype=torch.long, device=hidden_states.device)
+        spans = []  # (row, tokens, first entry, positions) of each sequence, for the replay check alone
         for (row, start, length), (first_entry, entries) in zip(whole.sequences, windows.per_sequence(whole)):
             tokens, own = queries_of_sequence(layout, row, start, length), slice(first_entry, first_entry + entries)
             if isinstance(tokens, torch.Tensor) and not len(tokens):  # no token of it on this context-parallel rank
@@ -104,8 +104,14 @@ class Indexer(Decider):
             local = self.top_k(q[row:row + 1, tokens], compressed[row:row + 1, own], head_weights[row:row + 1, tokens],
                                positions)[0]
             picks[row, tokens, : local.shape[-1]] = torch.where(local >= 0, local + first_entry, -1)
-            complete[row, tokens] = first_entry + (positions[0] + 1) // self.ratio
-        return self.decide_complete(picks, lambda: complete)
+            spans.append((row, tokens, first_entry, positions[0]))
+
+        def complete():
+            limits = torch.zeros(batch, seq_len, dtype=torch.long, device=hidden_states.device)
+            for row, tokens, first_entry, positions in spans:
+                limits[row, tokens] = first_entry + (positions + 1) // self.ratio
+            return limits
+        return self.decide_complete(picks, complete)
 
     def decide_complete(self, picks: torch.Tensor, complete) -> torch.Tensor:
         """`decide`, refusing replayed picks of entries not complete at their query: the attention scores only the

@@ -129,7 +129,8 @@ class _Chunk:
         return self.blocked(torch.bmm(weights, self.keys)).flatten(1, 2)
 
     def add_key_grads(self, kv_grad, compressed_grad, keys_grad):
-        """keys_grad [B * n, 2W + C, D]: overlap-add the window halves into kv's rows, sum the compressed over blocks."""
+        """keys_grad [B * n, 2W + entries, D]: overlap-add the window halves into kv's rows, sum the entries over
+        blocks into the first `entries` rows of compressed_grad."""
         window = self.window
         keys_grad = keys_grad.view(self.batch, self.blocks, -1, keys_grad.shape[-1])
         start, stop = self.rows_slice.start, self.rows_slice.stop
