@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import hf_step, matmul_peak_tflops, megatron_step, results_file, run_record, time_steps  # noqa: E402
+from bench_dense import (  # noqa: E402
+    hf_step, matmul_peak_tflops, megatron_step, results_file, run_record, scratch_folder, time_steps)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -187,14 +188,18 @@ def main() -> None:
                              "moe) or selective-attention (core_attn, layernorm)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' model (e.g. where it cannot fit)")
     args = parser.parse_args()
+    with scratch_folder("deepseek-v4-bench") as folder:
+        run(args, folder)
 
+
+def run(args, folder: Path) -> None:
+    """Write the random checkpoint of `args.config` to `folder`, then time (or profile) the models on it."""
     from transformers import DeepseekV4ForCausalLM
 
     from modelzoo import runtime
     from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 
     config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
-    folder = Path(tempfile.mkdtemp()) / "deepseek-v4-bench"
     write_deepseek_v4_tiny(folder, config)
     ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
     if args.profile:

@@ -21,11 +21,15 @@ memory is recorded as such and the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,7 +70,17 @@ def run_record(script: str) -> dict:
         commit = "unknown"
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-            "command": " ".join(["python3", f"benchmarks/{script}", *arguments])}
+            "command": shlex.join(["python3", f"benchmarks/{script}", *arguments])}
+
+
+@contextlib.contextmanager
+def scratch_folder(name: str):
+    """A folder `name` in a temporary directory for the run's random checkpoint, removed when the block ends, also
+    when the run is stopped with SIGTERM (`timeout`, a job scheduler), which this turns into SystemExit: a large
+    DeepSeek-V4 checkpoint left behind by every run fills a GPU machine's disk."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    with tempfile.TemporaryDirectory(prefix="modelzoo-bench-") as scratch:
+        yield Path(scratch) / name
 
 
 def results_file(name: str) -> str:

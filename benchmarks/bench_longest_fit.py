@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,18 +64,34 @@ def probe_command(args, seq: int, out: Path) -> list[str]:
     return [sys.executable, str(HERE / "bench_deepseek_v4.py"), "--config", args.config, *paths, *common]
 
 
+def run_probe(command: list[str], scratch: str, timeout: float) -> tuple[int, str]:
+    """Run `command` in its own process group with its temporary files under `scratch` -> (exit status, stderr).
+
+    If it outlives `timeout` (subprocess.TimeoutExpired) or this process is stopped, the whole group is killed: a
+    probe left running would hold the GPU, its memory and its disk under the next probe's figures."""
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "TMPDIR": scratch})
+    try:
+        _, stderr = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    return child.returncode, stderr
+
+
 def probe(args, seq: int, probes: list[dict]) -> bool:
     """Run one step at `seq` in a fresh process; record its figures; whether it fit."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
         command = probe_command(args, seq, out)
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=args.probe_timeout)
-        if finished.returncode == 0:
+        status, stderr = run_probe(command, scratch, args.probe_timeout)
+        if status == 0:
             [result] = json.loads(out.read_text())["results"]
-        elif any(sign in finished.stderr for sign in OUT_OF_MEMORY_SIGNS):  # outside the timed steps (building)
+        elif any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS):  # outside the timed steps (building)
             result = {"out_of_memory": True}
         else:
-            raise SystemExit(f"{' '.join(command)} exited {finished.returncode}:\n{finished.stderr[-3000:]}")
+            raise SystemExit(f"{' '.join(command)} exited {status}:\n{stderr[-3000:]}")
     fit = not result.get("out_of_memory")
     probes.append({"seq": seq, "fits": fit, **result})
     print(f"{seq:>8} tokens: {'fits' if fit else 'out of memory'}"
@@ -103,6 +121,7 @@ def main() -> None:
 
     import torch
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run_probe's cleanup runs when stopped
     sys.path.insert(0, str(HERE))
     from bench_dense import run_record
 

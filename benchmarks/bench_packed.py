@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,13 +48,14 @@ def build(name: str):
         provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast",
                                   recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return provider, provider.provide()
+    from bench_dense import scratch_folder
     from bench_deepseek_v4 import CONFIGS, our_model
 
     from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 
-    folder = Path(tempfile.mkdtemp()) / "deepseek-v4-bench"
-    write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, **CONFIGS["small"]})
-    return our_model(folder, "fast")
+    with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
+        write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, **CONFIGS["small"]})
+        return our_model(folder, "fast")
 
 
 def training_step(model, micro_batches):

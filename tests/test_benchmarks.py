@@ -1,0 +1,99 @@
+"""The benchmark scripts' own machinery (CPU): probes that do not outlive their limit, scratch folders that go away
+when a run is stopped, the recorded command, the longest-fit search."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_dense  # noqa: E402
+from bench_longest_fit import longest_fit, run_probe  # noqa: E402
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, exited but not reaped, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_probe_past_its_limit_is_killed_with_the_processes_it_started(tmp_path):
+    grandchild_file = tmp_path / "grandchild.pid"
+    probe = textwrap.dedent(f"""
+        import subprocess, sys, tempfile, time
+        sleeper = subprocess.Popen(["sleep", "60"])
+        open({str(grandchild_file)!r}, "w").write(str(sleeper.pid))
+        print(tempfile.gettempdir(), file=sys.stderr, flush=True)
+        time.sleep(60)
+    """)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_probe([sys.executable, "-c", probe], str(tmp_path), timeout=5)
+    grandchild = int(grandchild_file.read_text())
+    deadline = time.monotonic() + 5
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(grandchild), "the probe's own child outlived the probe's limit"
+
+
+def test_a_probe_runs_with_its_temporary_files_in_the_scratch_folder(tmp_path):
+    status, stderr = run_probe([sys.executable, "-c", "import sys, tempfile; print(tempfile.gettempdir(), "
+                                "file=sys.stderr); sys.exit(3)"], str(tmp_path), timeout=60)
+    assert status == 3
+    assert Path(stderr.strip()) == tmp_path
+
+
+def test_a_stopped_benchmark_removes_its_scratch_folder(tmp_path):
+    run = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(BENCHMARKS)!r})
+        from bench_dense import scratch_folder
+        with scratch_folder("checkpoint") as folder:
+            folder.mkdir()
+            (folder / "model.safetensors").write_bytes(b"weights")
+            print(folder, flush=True)
+            time.sleep(60)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    folder = Path(child.stdout.readline().strip())
+    assert folder.parent.parent == tmp_path and (folder / "model.safetensors").exists()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not folder.parent.exists(), f"{folder.parent} was left behind by a stopped run"
+
+
+def test_the_recorded_command_can_be_typed_again(monkeypatch):
+    """An empty argument (`--paths ''`: transformers' model alone) survives; `--out`, naming where one machine wrote
+    the file, is left out in both spellings."""
+    monkeypatch.setattr(bench_dense.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setenv("MODELZOO_COMMIT", "abc1234")
+    monkeypatch.setattr(sys, "argv", ["bench_deepseek_v4.py", "--paths", "", "--out", "/x/y.json", "--seq", "7168",
+                                      "--out=/x/z.json"])
+    record = bench_dense.run_record("bench_deepseek_v4.py")
+    assert record["command"] == "python3 benchmarks/bench_deepseek_v4.py --paths '' --seq 7168"
+    assert (record["gpu"], record["commit"]) == ("NVIDIA H200", "abc1234")
+
+
+def test_longest_fit_doubles_then_bisects_on_the_granularity():
+    tried = []
+
+    def fits(seq):
+        tried.append(seq)
+        return seq <= 45_000
+
+    assert longest_fit(fits, 4096, 262144, refine=3, granularity=4096) == 40960
+    assert tried == [4096, 8192, 16384, 32768, 65536, 49152, 40960, 45056]
+    assert longest_fit(lambda seq: False, 4096, 262144, refine=2, granularity=4096) is None
+    assert longest_fit(lambda seq: True, 4096, 20000, refine=2, granularity=4096) == 20000
