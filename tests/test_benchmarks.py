@@ -1,8 +1,9 @@
 """The benchmark scripts' own machinery (CPU): probes that do not outlive their limit, scratch folders that go away
-when a run is stopped, the recorded command, the longest-fit search."""
+when a run is stopped, the recorded command, the longest-fit search, the context-parallel benchmark's ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -97,3 +98,16 @@ def test_longest_fit_doubles_then_bisects_on_the_granularity():
     assert tried == [4096, 8192, 16384, 32768, 65536, 49152, 40960, 45056]
     assert longest_fit(lambda seq: False, 4096, 262144, refine=2, granularity=4096) is None
     assert longest_fit(lambda seq: True, 4096, 20000, refine=2, granularity=4096) == 20000
+
+
+def test_the_context_parallel_benchmark_runs_its_two_layouts_on_cpu_ranks(tmp_path):
+    """The weak-scaling benchmark's code (the trainer's call on each rank's share, the gradient sum over the
+    context-parallel group) on gloo ranks: one rank on 64 tokens, two on 128. A check that it runs, not a timing."""
+    out = tmp_path / "cp.json"
+    finished = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_context_parallel.py"), "--model", str(BENCHMARKS.parent /
+         "tiny_checkpoints" / "loopcoder-tiny"), "--seq", "64", "--cp", "2", "--dtype", "float32", "--steps", "1",
+         "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["gpus"], r["seq"]) for r in (result["one_gpu"], result["context_parallel"])] == [(1, 64), (2, 128)]
