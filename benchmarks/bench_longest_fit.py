@@ -10,7 +10,8 @@
 process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
 untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
 steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Writes
-benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json with every probe's figures.
+benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json with every probe's figures, after each probe
+("complete": false until the search ends).
 """
 
 from __future__ import annotations
@@ -125,13 +126,22 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_dense import run_record
 
-    probes: list[dict] = []
-    longest = longest_fit(lambda seq: probe(args, seq, probes), args.start, args.max, args.refine, args.granularity)
-    print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {args.recompute})")
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
     out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{args.recompute}_{gpu}.json")
-    out.write_text(json.dumps({**run_record("bench_longest_fit.py"), "longest_fit": longest, "probes": probes},
-                              indent=2))
+    record = run_record("bench_longest_fit.py")
+    probes: list[dict] = []
+
+    def probe_and_write(seq: int) -> bool:
+        """One probe, then the file as it stands: a search stopped part-way still leaves the probes it made."""
+        fit = probe(args, seq, probes)
+        fitted = [p["seq"] for p in probes if p["fits"]]
+        out.write_text(json.dumps({**record, "complete": False, "longest_fit_so_far": max(fitted, default=None),
+                                   "probes": probes}, indent=2))
+        return fit
+
+    longest = longest_fit(probe_and_write, args.start, args.max, args.refine, args.granularity)
+    print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {args.recompute})")
+    out.write_text(json.dumps({**record, "complete": True, "longest_fit": longest, "probes": probes}, indent=2))
 
 
 if __name__ == "__main__":

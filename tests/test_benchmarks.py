@@ -111,3 +111,26 @@ def test_the_context_parallel_benchmark_runs_its_two_layouts_on_cpu_ranks(tmp_pa
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [(r["gpus"], r["seq"]) for r in (result["one_gpu"], result["context_parallel"])] == [(1, 64), (2, 128)]
+
+
+def test_a_stopped_search_leaves_the_probes_it_made(tmp_path, monkeypatch):
+    """The result file is written after every probe, so a search stopped part-way keeps what it measured."""
+    import bench_longest_fit
+
+    def fake_probe(args, seq, probes):
+        if len(probes) == 3:
+            raise SystemExit(143)  # stopped (SIGTERM) during the fourth probe
+        probes.append({"seq": seq, "fits": seq <= 16384})
+        return seq <= 16384
+
+    out = tmp_path / "longest.json"
+    monkeypatch.setattr(bench_longest_fit, "probe", fake_probe)
+    monkeypatch.setattr(bench_dense.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # main's SIGTERM handler stays out of this process
+    monkeypatch.setattr(sys, "argv", ["bench_longest_fit.py", "dense", "megatron-loopcoder", "--start", "4096",
+                                      "--out", str(out)])
+    with pytest.raises(SystemExit):
+        bench_longest_fit.main()
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and written["longest_fit_so_far"] == 16384
+    assert [p["seq"] for p in written["probes"]] == [4096, 8192, 16384]
