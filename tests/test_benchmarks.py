@@ -34,13 +34,13 @@ def test_a_probe_past_its_limit_is_killed_with_the_processes_it_started(tmp_path
     grandchild_file = tmp_path / "grandchild.pid"
     probe = textwrap.dedent(f"""
         import subprocess, sys, tempfile, time
-        sleeper = subprocess.Popen(["sleep", "60"])
+        sleeper = subprocess.Popen(["sleep", "120"])
         open({str(grandchild_file)!r}, "w").write(str(sleeper.pid))
         print(tempfile.gettempdir(), file=sys.stderr, flush=True)
         time.sleep(60)
     """)
     with pytest.raises(subprocess.TimeoutExpired):
-        run_probe([sys.executable, "-c", probe], str(tmp_path), timeout=5)
+        run_probe([sys.executable, "-c", probe], str(tmp_path), timeout=15)  # time for the child to start its own
     grandchild = int(grandchild_file.read_text())
     deadline = time.monotonic() + 5
     while running(grandchild) and time.monotonic() < deadline:
