@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dense import (  # noqa: E402
-    hf_step, matmul_peak_tflops, megatron_step, results_file, run_record, scratch_folder, time_steps)
+    hf_step, matmul_peak_tflops, megatron_step, recompute_settings, results_file, run_record, scratch_folder, time_steps)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -86,21 +86,23 @@ RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "moe"]),
     "selective-attention": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"]),
+    "selective-moe": dict(recompute_granularity="selective", recompute_modules=["moe", "layernorm"]),
 }
 
 
-def our_model(folder: Path, attention: str, recompute: str = "none"):
-    """(provider, model) of our DeepSeek-V4 in bf16 with the checkpoint's weights (inside runtime.parallel)."""
+def our_model(folder: Path, attention: str, recompute: dict | None = None):
+    """(provider, model) of our DeepSeek-V4 in bf16 with the checkpoint's weights (inside runtime.parallel);
+    `recompute`: Megatron's recompute settings (`recompute_settings`)."""
     from modelzoo.registry import build_provider
 
     provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention, perform_initialization=False,
-                              **RECOMPUTE[recompute])
+                              **(recompute or {}))
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
     return provider, model
 
 
-def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: str = "none"):
+def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: dict | None = None):
     """(model, training step) of one `--paths` entry: an attention path, "+graphs" to capture the decoder
     layers' CUDA graphs in the first step."""
     attention, _, graphs = path.partition("+")
@@ -185,9 +187,14 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=1)
     parser.add_argument("--recompute", choices=sorted(RECOMPUTE), default="none",
                         help="activation recompute of our model: full (every layer), selective (core_attn, layernorm, "
-                             "moe) or selective-attention (core_attn, layernorm)")
+                             "moe), selective-attention (core_attn, layernorm) or selective-moe (moe, layernorm)")
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="with --recompute full: only the first N layers (recompute_method='block'); "
+                             "transformers' model is skipped")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' model (e.g. where it cannot fit)")
     args = parser.parse_args()
+    if args.recompute_layers is not None and args.recompute != "full":
+        parser.error("--recompute-layers goes with --recompute full")
     with scratch_folder("deepseek-v4-bench") as folder:
         run(args, folder)
 
@@ -226,7 +233,8 @@ def run(args, folder: Path) -> None:
                         "loss": loss, "first_step_s": first_step})
         torch.cuda.empty_cache()
 
-    if not args.no_hf:
+    recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
+    if not args.no_hf and args.recompute_layers is None:  # transformers recomputes every layer or none
         hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
         if args.recompute == "full":
             hf.gradient_checkpointing_enable()
@@ -235,12 +243,12 @@ def run(args, folder: Path) -> None:
         del hf
     with runtime.parallel(tp=1):
         for path in filter(None, args.paths.split(",")):
-            model, step = our_step(folder, ids, path, args.recompute)
-            record(f"megatron deepseek_v4 ({path}, recompute {args.recompute})", step)
+            model, step = our_step(folder, ids, path, recompute)
+            record(f"megatron deepseek_v4 ({path}, recompute {setting})", step)
             model.release_cuda_graphs()
             del model, step
 
-    baseline = results[0] if not args.no_hf else {"out_of_memory": True}
+    baseline = results[0] if not args.no_hf and args.recompute_layers is None else {"out_of_memory": True}
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
           f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
     print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"
@@ -255,10 +263,10 @@ def run(args, folder: Path) -> None:
             ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
-    suffix = "" if args.recompute == "none" else f"_{args.recompute}_recompute"
+    suffix = "" if setting == "none" else f"_{setting}_recompute"
     out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
     out.write_text(json.dumps({**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config,
-                               "seq": args.seq, "recompute": args.recompute, "config": config, "results": results},
+                               "seq": args.seq, "recompute": setting, "config": config, "results": results},
                               indent=2))
 
 

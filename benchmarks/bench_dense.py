@@ -83,6 +83,15 @@ def scratch_folder(name: str):
         yield Path(scratch) / name
 
 
+def recompute_settings(table: dict, setting: str, layers: int | None) -> tuple[dict, str]:
+    """Megatron's TransformerConfig settings for `--recompute setting` (a key of `table`) and the setting's name in
+    result files; with `--recompute full --recompute-layers N` only the first N layers are recomputed
+    (recompute_method="block"), named full_block<N>."""
+    if layers is None:
+        return dict(table[setting]), setting
+    return {**table[setting], "recompute_method": "block", "recompute_num_layers": layers}, f"full_block{layers}"
+
+
 def results_file(name: str) -> str:
     """benchmarks/results/<name>_<gpu>.json, e.g. dense_h200.json: one file per benchmark, config and GPU."""
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
@@ -159,13 +168,9 @@ def main() -> None:
                              "transformers' models are skipped")
     args = parser.parse_args()
     batch, seq = args.batch, args.seq
-    recompute = dict(RECOMPUTE[args.recompute])
-    setting = args.recompute
-    if args.recompute_layers is not None:
-        if args.recompute != "full":
-            parser.error("--recompute-layers goes with --recompute full")
-        recompute.update(recompute_method="block", recompute_num_layers=args.recompute_layers)
-        setting = f"full_block{args.recompute_layers}"
+    if args.recompute_layers is not None and args.recompute != "full":
+        parser.error("--recompute-layers goes with --recompute full")
+    recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     default_shape = (batch, seq, setting) == (2, 4096, "none")
     result_name = "dense" if default_shape else f"dense_b{batch}_seq{seq}_recompute_{setting}"
 
