@@ -12,7 +12,8 @@ otherwise, the Llama config of the performance issue: hidden 2048, 16 layers, 16
 MFU is against a bf16 matmul peak measured in the same run. FLOPs count every matmul the model runs
 (6 x parameters-in-matmuls per token, both loops for LoopCoder) plus attention over the entries
 actually attended (causal: s(s+1)/2 pairs; window W: about s*W pairs), x3 for forward + backward; recomputed
-work is not counted. `--recompute`: Megatron's `selective` (core attention) or `full` (every layer) for our models,
+work is not counted. `--recompute`: Megatron's `selective` (core attention), `selective-mlp` (the MLP) or `full`
+(every layer) for our models,
 transformers' gradient checkpointing (its only kind) for `full` on theirs; `--recompute full --recompute-layers N`
 recomputes only the first N layers (Megatron's `recompute_method="block"`, ours alone). A model that runs out of GPU
 memory is recorded as such and the run goes on.
@@ -46,7 +47,8 @@ LOOPCODER = {**LLAMA, "model_type": "iquestloopcoder", "architectures": ["IQuest
              "loop_num": 2, "loop_window_size": 64}
 RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
     "none": {},
-    "selective": dict(recompute_granularity="selective"),
+    "selective": dict(recompute_granularity="selective"),                                     # core_attn
+    "selective-mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -213,7 +215,7 @@ def main() -> None:
         if args.recompute == "full":
             model.gradient_checkpointing_enable()
             model.train()  # transformers checkpoints only in training mode
-        if args.recompute != "selective" and args.recompute_layers is None:  # transformers recomputes all or none
+        if args.recompute in ("none", "full") and args.recompute_layers is None:  # transformers: all or none
             record(name, config, loops, hf_step(model, ids))
         del model
     with runtime.parallel(tp=1):

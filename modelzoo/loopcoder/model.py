@@ -41,7 +41,7 @@ from torch import Tensor
 from modelzoo import gpt_call, sequence_parallel
 from modelzoo.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
-from modelzoo.recompute import full_recompute_groups, recomputed
+from modelzoo.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.replicated_kv import QKVParallelLinear
 from modelzoo.sequences import TokenLayout
 
@@ -71,8 +71,16 @@ class LoopGate(torch.nn.Module):
         return torch.sigmoid(logits)[..., None]
 
 
+# recompute_granularity="selective": the recompute_modules names (Megatron's) LoopCoder honours, in both loops
+SELECTIVE_RECOMPUTE = {
+    "core_attn": "the attention kernels (causal, global over loop-1 K/V, window)",
+    "mlp": "the pre-MLP norm and the MLP, under one checkpoint that keeps only the residual stream",
+}
+
+
 class LoopCoderAttention(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int,
+                 recompute_core_attention: bool = False):
         super().__init__(config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.head_dim = config.kv_channels
@@ -80,8 +88,7 @@ class LoopCoderAttention(MegatronModule):
         self.local_groups = divide(config.num_query_groups, tp)
         self.loop_window_size = loop_window_size
         self.attention_impl = attention_impl
-        self.recompute_core_attention = (config.recompute_granularity == "selective"
-                                         and "core_attn" in (config.recompute_modules or ["core_attn"]))
+        self.recompute_core_attention = recompute_core_attention
         qkv_size = self.head_dim * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = QKVParallelLinear(  # config.num_query_groups is the TP size when KV heads are copied
             config.hidden_size, qkv_size, config=config, init_method=config.init_method, bias=False,
@@ -125,27 +132,34 @@ class LoopCoderAttention(MegatronModule):
 
 
 class LoopCoderLayer(MegatronModule):
-    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
+    def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int,
+                 recompute: frozenset[str] = frozenset()):
         super().__init__(config)
         self.input_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
-        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate, num_kv_heads)
+        self.self_attention = LoopCoderAttention(config, loop_window_size, attention_impl, train_gate, num_kv_heads,
+                                                 "core_attn" in recompute)
         self.pre_mlp_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
         self.mlp = MLP(config, MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
                                              linear_fc2=tensor_parallel.RowParallelLinear))
+        self.recompute_mlp = "mlp" in recompute
+
+    def _mlp(self, hidden: Tensor) -> Tensor:
+        mlp_out, _ = self.mlp(self.pre_mlp_layernorm(hidden))
+        return mlp_out
 
     def forward(self, hidden: Tensor, rotary: Tensor, layout: TokenLayout,
                 loop1_kv: LoopKV | None = None) -> tuple[Tensor, LoopKV]:
         attention_out, kv = self.self_attention(self.input_layernorm(hidden), rotary, layout, loop1_kv)
         hidden = hidden + attention_out
-        mlp_out, _ = self.mlp(self.pre_mlp_layernorm(hidden))
-        return hidden + mlp_out, kv
+        return hidden + recomputed(self._mlp, self.recompute_mlp)(hidden), kv
 
 
 class LoopCoderDecoder(MegatronModule):
     def __init__(self, config, loop_window_size: int, attention_impl: str, train_gate: bool, num_kv_heads: int):
         super().__init__(config)
+        recompute = selective_modules(config, "LoopCoder", SELECTIVE_RECOMPUTE)
         self.layers = torch.nn.ModuleList(LoopCoderLayer(config, loop_window_size, attention_impl, train_gate,
-                                                         num_kv_heads) for _ in range(config.num_layers))
+                                                         num_kv_heads, recompute) for _ in range(config.num_layers))
         self.final_layernorm = sequence_parallel.rms_norm(config, config.hidden_size, config.layernorm_epsilon)
         # Megatron's full recompute, applied alike to each loop: runs of layers, each run under one checkpoint or none
         self.recompute_groups = full_recompute_groups(config, config.num_layers)

@@ -80,11 +80,18 @@ FULL_RECOMPUTE = {  # Megatron's settings -> how often each layer runs in a step
 }
 
 
+SELECTIVE_RECOMPUTE = {  # recompute_modules -> how often each layer's MLP runs in a step (two loops, x 2 recomputed)
+    "selective-core_attn": (["core_attn"], 2),
+    "selective-mlp": (["mlp"], 4),
+    "selective-core_attn-mlp": (["core_attn", "mlp"], 4),
+}
+
+
 @pytest.mark.parametrize("overrides", [
-    {"recompute_granularity": "selective"},
+    *(dict(recompute_granularity="selective", recompute_modules=modules) for modules, _ in SELECTIVE_RECOMPUTE.values()),
     *(overrides for overrides, _ in FULL_RECOMPUTE.values()),
     {"attention": "fast"},
-], ids=["selective-recompute", *FULL_RECOMPUTE, "fast-attention"])
+], ids=[*SELECTIVE_RECOMPUTE, *FULL_RECOMPUTE, "fast-attention"])
 def test_recompute_and_fast_attention_give_the_same_gradients(reference, overrides):
     ids, reference_logprobs, reference_grads = reference
     logprobs, grads = runtime.run(_megatron_logprobs_and_grads, 1, 1, ids, overrides)[0]
@@ -102,6 +109,27 @@ def test_full_recompute_reruns_the_layers_it_names(setting):
             layer.register_forward_pre_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
         (-provider.token_logprobs(model, batch()).mean()).backward()
     assert runs == expected_runs
+
+
+@pytest.mark.parametrize("setting", SELECTIVE_RECOMPUTE)
+def test_selective_recompute_reruns_the_mlp_where_named(setting):
+    modules, expected_runs = SELECTIVE_RECOMPUTE[setting]
+    with runtime.parallel(tp=1):
+        provider = build_provider(LOOPCODER, recompute_granularity="selective", recompute_modules=modules)
+        model = provider.provide()
+        runs = [0] * len(model.decoder.layers)
+        for index, layer in enumerate(model.decoder.layers):
+            layer.mlp.register_forward_pre_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
+        (-provider.token_logprobs(model, batch()).mean()).backward()
+    assert runs == [expected_runs] * len(runs)
+
+
+def test_a_recompute_module_loopcoder_does_not_have_is_refused():
+    with runtime.parallel(tp=1):
+        provider = build_provider(LOOPCODER, recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+        with pytest.raises(ValueError, match=r"LoopCoder: recompute_modules 'moe' names no piece of this model; it "
+                                             r"recomputes 'core_attn' \(.*\); 'mlp' \(.*\)"):
+            provider.provide()
 
 
 @pytest.mark.parametrize("leaky", [False, True], ids=["ours", "control-keeps-keys-on-module"])
