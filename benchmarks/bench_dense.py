@@ -13,10 +13,9 @@ MFU is against a bf16 matmul peak measured in the same run. FLOPs count every ma
 (6 x parameters-in-matmuls per token, both loops for LoopCoder) plus attention over the entries
 actually attended (causal: s(s+1)/2 pairs; window W: about s*W pairs), x3 for forward + backward; recomputed
 work is not counted. `--recompute`: Megatron's `selective` (core attention), `selective-mlp` (the MLP) or `full`
-(every layer) for our models,
-transformers' gradient checkpointing (its only kind) for `full` on theirs; `--recompute full --recompute-layers N`
-recomputes only the first N layers (Megatron's `recompute_method="block"`, ours alone). A model that runs out of GPU
-memory is recorded as such and the run goes on.
+(every layer) for our models, transformers' gradient checkpointing (its only kind) for `full` on theirs;
+`--recompute full --recompute-layers N` recomputes only the first N layers (Megatron's `recompute_method="block"`,
+ours alone). A model that runs out of GPU memory is recorded as such and the run goes on.
 """
 
 from __future__ import annotations
