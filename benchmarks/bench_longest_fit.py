@@ -3,6 +3,7 @@
     python benchmarks/bench_longest_fit.py dense megatron-loopcoder --recompute full --start 32768
     python benchmarks/bench_longest_fit.py dense hf-llama-sdpa --recompute none
     python benchmarks/bench_longest_fit.py deepseek_v4 ours --recompute full --start 32768
+    python benchmarks/bench_longest_fit.py dense megatron-loopcoder --recompute full --recompute-layers 13 --start 65536
     python benchmarks/bench_longest_fit.py deepseek_v4 transformers
 
 `dense` models are bench_dense.py's (`--only` names); `deepseek_v4` runs bench_deepseek_v4.py's `--config`
@@ -10,7 +11,8 @@
 process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
 untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
 steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Writes
-benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json with every probe's figures, after each probe
+benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json (recompute full_block<N> with
+`--recompute-layers N`) with every probe's figures, after each probe
 ("complete": false until the search ends).
 """
 
@@ -59,6 +61,8 @@ def longest_fit(fits: Callable[[int], bool], start: int, maximum: int, refine: i
 
 def probe_command(args, seq: int, out: Path) -> list[str]:
     common = ["--seq", str(seq), "--recompute", args.recompute, "--steps", "1", "--warmup", "1", "--out", str(out)]
+    if args.recompute_layers is not None:
+        common += ["--recompute-layers", str(args.recompute_layers)]
     if args.bench == "dense":
         return [sys.executable, str(HERE / "bench_dense.py"), "--batch", "1", "--only", args.model, *common]
     paths = ["--paths", "fast", "--no-hf"] if args.model == "ours" else ["--paths", ""]
@@ -106,6 +110,8 @@ def main() -> None:
     parser.add_argument("bench", choices=["dense", "deepseek_v4"])
     parser.add_argument("model", help="dense: a bench_dense.py model name; deepseek_v4: ours or transformers")
     parser.add_argument("--recompute", default="none", help="the benchmark script's --recompute")
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="with --recompute full: only the first N layers (the script's --recompute-layers)")
     parser.add_argument("--config", default="large", help="deepseek_v4: bench_deepseek_v4.py's --config")
     parser.add_argument("--start", type=int, default=4096)
     parser.add_argument("--max", type=int, default=262144)
@@ -116,9 +122,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.bench == "deepseek_v4" and args.model not in ("ours", "transformers"):
         parser.error("deepseek_v4 models: ours or transformers")
-    if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and args.recompute not in ("none", "full"):
+    if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and (
+            args.recompute not in ("none", "full") or args.recompute_layers is not None):
         parser.error(f"transformers' models recompute fully (gradient checkpointing) or not at all, not "
-                     f"{args.recompute!r}")
+                     f"{args.recompute!r}" + (f" of {args.recompute_layers} layers" if args.recompute_layers else ""))
+    if args.recompute_layers is not None and args.recompute != "full":
+        parser.error("--recompute-layers goes with --recompute full")
+    setting = args.recompute if args.recompute_layers is None else f"full_block{args.recompute_layers}"
 
     import torch
 
@@ -127,7 +137,7 @@ def main() -> None:
     from bench_dense import run_record
 
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
-    out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{args.recompute}_{gpu}.json")
+    out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{setting}_{gpu}.json")
     record = run_record("bench_longest_fit.py")
     probes: list[dict] = []
 
@@ -140,7 +150,7 @@ def main() -> None:
         return fit
 
     longest = longest_fit(probe_and_write, args.start, args.max, args.refine, args.granularity)
-    print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {args.recompute})")
+    print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {setting})")
     out.write_text(json.dumps({**record, "complete": True, "longest_fit": longest, "probes": probes}, indent=2))
 
 

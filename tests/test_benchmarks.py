@@ -134,3 +134,18 @@ def test_a_stopped_search_leaves_the_probes_it_made(tmp_path, monkeypatch):
     written = json.loads(out.read_text())
     assert written["complete"] is False and written["longest_fit_so_far"] == 16384
     assert [p["seq"] for p in written["probes"]] == [4096, 8192, 16384]
+
+
+def test_block_recompute_reaches_the_probed_script():
+    from argparse import Namespace
+
+    from bench_longest_fit import probe_command
+
+    for bench, model, script in (("dense", "megatron-loopcoder", "bench_dense.py"),
+                                 ("deepseek_v4", "ours", "bench_deepseek_v4.py")):
+        args = Namespace(bench=bench, model=model, config="large", recompute="full", recompute_layers=13)
+        command = probe_command(args, 65536, Path("result.json"))
+        assert Path(command[1]).name == script
+        assert command[command.index("--recompute") + 1] == "full"
+        assert command[command.index("--recompute-layers") + 1] == "13"
+        assert command[command.index("--seq") + 1] == "65536"
