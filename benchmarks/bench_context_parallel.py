@@ -34,18 +34,16 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def build(model: str, folder: Path | None, seq: int, dtype: torch.dtype, recompute: str):
     """(provider, module) on this rank's device, inside runtime.parallel."""
+    from bench_deepseek_v4 import our_model
+
     from modelzoo import build_provider
 
-    options = dict(params_dtype=dtype, attention="fast", **RECOMPUTE[recompute])
-    if model in ("llama", "loopcoder"):
-        config = {**(LLAMA if model == "llama" else LOOPCODER),
-                  "max_position_embeddings": max(LLAMA["max_position_embeddings"], seq)}
-        provider = build_provider(config, **options)
-        return provider, provider.provide()
-    provider = build_provider(folder, perform_initialization=False, **options)
-    module = provider.provide()
-    provider.load_hf_weights(module, progress=False)
-    return provider, module
+    if model not in ("llama", "loopcoder"):  # a checkpoint's weights
+        return our_model(folder, "fast", RECOMPUTE[recompute], dtype)
+    config = {**(LLAMA if model == "llama" else LOOPCODER),
+              "max_position_embeddings": max(LLAMA["max_position_embeddings"], seq)}
+    provider = build_provider(config, params_dtype=dtype, attention="fast", **RECOMPUTE[recompute])
+    return provider, provider.provide()
 
 
 def _synchronize() -> None:

@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dense import (  # noqa: E402
-    hf_step, matmul_peak_tflops, megatron_step, recompute_settings, results_file, run_record, scratch_folder, time_steps)
+    check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, recompute_settings, results_file, run_record,
+    scratch_folder, time_steps)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -90,12 +91,12 @@ RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
 }
 
 
-def our_model(folder: Path, attention: str, recompute: dict | None = None):
-    """(provider, model) of our DeepSeek-V4 in bf16 with the checkpoint's weights (inside runtime.parallel);
-    `recompute`: Megatron's recompute settings (`recompute_settings`)."""
+def our_model(folder: Path, attention: str, recompute: dict | None = None, dtype: torch.dtype = torch.bfloat16):
+    """(provider, model) of our model of the checkpoint in `folder` (DeepSeek-V4 here) in `dtype` with its weights
+    (inside runtime.parallel); `recompute`: Megatron's recompute settings (`recompute_settings`)."""
     from modelzoo.registry import build_provider
 
-    provider = build_provider(folder, params_dtype=torch.bfloat16, attention=attention, perform_initialization=False,
+    provider = build_provider(folder, params_dtype=dtype, attention=attention, perform_initialization=False,
                               **(recompute or {}))
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
@@ -193,8 +194,7 @@ def main() -> None:
                              "transformers' model is skipped")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' model (e.g. where it cannot fit)")
     args = parser.parse_args()
-    if args.recompute_layers is not None and args.recompute != "full":
-        parser.error("--recompute-layers goes with --recompute full")
+    check_recompute_layers(parser, args)
     with scratch_folder("deepseek-v4-bench") as folder:
         run(args, folder)
 
@@ -234,7 +234,8 @@ def run(args, folder: Path) -> None:
         torch.cuda.empty_cache()
 
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
-    if not args.no_hf and args.recompute_layers is None:  # transformers recomputes every layer or none
+    with_hf = not args.no_hf and args.recompute_layers is None  # transformers recomputes every layer or none
+    if with_hf:
         hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
         if args.recompute == "full":
             hf.gradient_checkpointing_enable()
@@ -248,7 +249,7 @@ def run(args, folder: Path) -> None:
             model.release_cuda_graphs()
             del model, step
 
-    baseline = results[0] if not args.no_hf and args.recompute_layers is None else {"out_of_memory": True}
+    baseline = results[0] if with_hf else {"out_of_memory": True}
     print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
           f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
     print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"

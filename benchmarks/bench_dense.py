@@ -74,23 +74,39 @@ def run_record(script: str) -> dict:
             "command": shlex.join(["python3", f"benchmarks/{script}", *arguments])}
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (`timeout`, a job scheduler) into SystemExit(143), so that `with` blocks and `finally` clauses
+    clean up on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 @contextlib.contextmanager
 def scratch_folder(name: str):
     """A folder `name` in a temporary directory for the run's random checkpoint, removed when the block ends, also
-    when the run is stopped with SIGTERM (`timeout`, a job scheduler), which this turns into SystemExit: a large
-    DeepSeek-V4 checkpoint left behind by every run fills a GPU machine's disk."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    when the run is stopped with SIGTERM: a large DeepSeek-V4 checkpoint left behind by every run fills a GPU
+    machine's disk."""
+    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="modelzoo-bench-") as scratch:
         yield Path(scratch) / name
 
 
+def check_recompute_layers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.recompute_layers is not None and args.recompute != "full":
+        parser.error("--recompute-layers goes with --recompute full")
+
+
+def recompute_name(setting: str, layers: int | None) -> str:
+    """The name result files give `--recompute setting [--recompute-layers N]`: the setting, or full_block<N>."""
+    return setting if layers is None else f"full_block{layers}"
+
+
 def recompute_settings(table: dict, setting: str, layers: int | None) -> tuple[dict, str]:
-    """Megatron's TransformerConfig settings for `--recompute setting` (a key of `table`) and the setting's name in
-    result files; with `--recompute full --recompute-layers N` only the first N layers are recomputed
-    (recompute_method="block"), named full_block<N>."""
-    if layers is None:
-        return dict(table[setting]), setting
-    return {**table[setting], "recompute_method": "block", "recompute_num_layers": layers}, f"full_block{layers}"
+    """Megatron's TransformerConfig settings for `--recompute setting` (a key of `table`) and `recompute_name`; with
+    `--recompute full --recompute-layers N` only the first N layers are recomputed (recompute_method="block")."""
+    settings = dict(table[setting])
+    if layers is not None:
+        settings.update(recompute_method="block", recompute_num_layers=layers)
+    return settings, recompute_name(setting, layers)
 
 
 def results_file(name: str) -> str:
@@ -169,8 +185,7 @@ def main() -> None:
                              "transformers' models are skipped")
     args = parser.parse_args()
     batch, seq = args.batch, args.seq
-    if args.recompute_layers is not None and args.recompute != "full":
-        parser.error("--recompute-layers goes with --recompute full")
+    check_recompute_layers(parser, args)
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     default_shape = (batch, seq, setting) == (2, 4096, "none")
     result_name = "dense" if default_shape else f"dense_b{batch}_seq{seq}_recompute_{setting}"

@@ -120,24 +120,20 @@ def main() -> None:
     parser.add_argument("--probe-timeout", type=int, default=900, help="seconds one probe may take")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    from bench_dense import check_recompute_layers, exit_on_sigterm, recompute_name, results_file, run_record
+
     if args.bench == "deepseek_v4" and args.model not in ("ours", "transformers"):
         parser.error("deepseek_v4 models: ours or transformers")
     if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and (
             args.recompute not in ("none", "full") or args.recompute_layers is not None):
         parser.error(f"transformers' models recompute fully (gradient checkpointing) or not at all, not "
                      f"{args.recompute!r}" + (f" of {args.recompute_layers} layers" if args.recompute_layers else ""))
-    if args.recompute_layers is not None and args.recompute != "full":
-        parser.error("--recompute-layers goes with --recompute full")
-    setting = args.recompute if args.recompute_layers is None else f"full_block{args.recompute_layers}"
+    check_recompute_layers(parser, args)
+    setting = recompute_name(args.recompute, args.recompute_layers)
 
-    import torch
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run_probe's cleanup runs when stopped
-    sys.path.insert(0, str(HERE))
-    from bench_dense import run_record
-
-    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
-    out = Path(args.out or HERE / "results" / f"longest_fit_{args.bench}_{args.model}_{setting}_{gpu}.json")
+    exit_on_sigterm()  # run_probe's cleanup runs when stopped
+    out = Path(args.out or results_file(f"longest_fit_{args.bench}_{args.model}_{setting}"))
     record = run_record("bench_longest_fit.py")
     probes: list[dict] = []
 
