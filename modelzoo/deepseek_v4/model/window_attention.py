@@ -202,6 +202,14 @@ class _WindowSinkAttention(torch.autograd.Function):
                 None, None)
 
 
+def _sparse_kernels(q: torch.Tensor, kv: torch.Tensor):
+    """The CSA kernels' module (each query over its own window keys and picks) where they apply, else None."""
+    if not q.is_cuda:
+        return None
+    from modelzoo.deepseek_v4.model import sparse_attention_kernels
+    return sparse_attention_kernels if sparse_attention_kernels.applies(q, kv) else None
+
+
 def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
                           picks: torch.Tensor | None = None, ratio: int | None = None, first_position: int = 0,
                           halo: int = 0) -> torch.Tensor:
@@ -226,6 +234,9 @@ def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor
             raise ValueError("window_sink_attention: compressed entries need the query's picks or the window ratio")
     if picks is not None and (compressed is None or picks.shape[-1] == 0):
         compressed, picks = None, None   # nothing was picked: a sequence shorter than one compressed window
+    kernels = _sparse_kernels(q, kv) if picks is not None else None
+    if kernels is not None:
+        return kernels.sparse_sink_attention(q, kv, sinks, scale, window, picks, halo)
     if picks is not None and pad:
         picks = torch.nn.functional.pad(picks, (0, 0, 0, pad), value=-1)
     if pad:  # padded queries are zeros whose outputs are dropped; padded keys follow every real query
