@@ -3,7 +3,8 @@
 It compresses the sequence with its own small compressor (index_head_dim wide, same overlapping
 windows as the CSA compressor), scores each query against every compressed key with
 `sum_h w[t,h] * relu(q[t,h] . k[s]) * d^-0.5 * n_heads^-0.5`, masks entries whose window is not
-complete yet, and keeps the top `index_topk`; picks that point past the causal limit become -1.
+complete yet, and keeps the top `index_topk`; picks that point past the causal limit become -1. On CUDA
+the masked scores come from one Triton kernel (`index_kernels.py`) that keeps the per-head scores in registers.
 
 Tensor parallelism: *replicated*, not sharded by heads. Its output is a set of integer indices
 that every TP rank must agree on bit for bit (each rank masks its own heads with them); a head
@@ -15,6 +16,8 @@ a quarter of wq_b's in the released configs.)
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +54,16 @@ def weighted_head_sum(scores: torch.Tensor, head_weights: torch.Tensor, softmax_
     return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
 
-SCORE_BUDGET = 2**28   # per-head index scores of one chunk of queries (1 GiB in fp32)
+SCORE_BUDGET = 2**28          # per-head index scores [B, chunk, h, E] of one chunk of queries (1 GiB in fp32)
+KERNEL_SCORE_BUDGET = 2**28   # masked scores [B, chunk, E] of one chunk on the kernel path (1 GiB in fp32)
+
+
+def _index_kernels(q: torch.Tensor):
+    """The Triton kernel's module where it applies (CUDA tensors, Triton installed), else None."""
+    if not q.is_cuda or importlib.util.find_spec("triton") is None:
+        return None
+    from modelzoo.deepseek_v4.model import index_kernels
+    return index_kernels
 
 
 class Indexer(Decider):
@@ -133,19 +145,29 @@ class Indexer(Decider):
               positions: torch.Tensor) -> torch.Tensor:
         """Plain rows: the top min(index_topk, E) of the complete entries for each query, -1 past the visible ones.
 
-        Queries go in chunks whose per-head scores [chunk, h, E] stay under SCORE_BUDGET elements (each query's
-        top-k reads only its own scores, so the chunks change nothing)."""
+        Queries go in chunks (each query's top-k reads only its own scores, so the chunks change nothing): on CUDA
+        the kernel's masked scores [chunk, E] stay under KERNEL_SCORE_BUDGET elements, elsewhere the plain ops'
+        per-head scores [chunk, h, E] under SCORE_BUDGET."""
         batch, seq_len, heads, _ = q.shape
         entries = compressed.shape[1]
         if entries == 0:
             return torch.empty(batch, seq_len, 0, dtype=torch.long, device=q.device)
-        rows = max(1, SCORE_BUDGET // (batch * heads * entries))
+        kernels = _index_kernels(q)
+        if kernels is not None:
+            rows = max(1, KERNEL_SCORE_BUDGET // (batch * entries))
+        else:
+            rows = max(1, SCORE_BUDGET // (batch * heads * entries))
         picks = []
         for start in range(0, seq_len, rows):
             queries = slice(start, start + rows)
-            scores = index_scores(q[:, queries], compressed, head_weights[:, queries], self.softmax_scale,
-                                  self.weights_scaling)                                              # [B, s, E]
-            visible = torch.arange(entries, device=scores.device) < ((positions[:, queries] + 1) // self.ratio)[..., None]
-            indices = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
-            picks.append(torch.where(visible.gather(-1, indices), indices, -1))
+            complete = (positions[:, queries] + 1) // self.ratio            # [B, s]: the entries before it are visible
+            if kernels is not None:
+                scores = kernels.masked_index_scores(q[:, queries], compressed, head_weights[:, queries], complete,
+                                                     self.softmax_scale, self.weights_scaling)
+            else:
+                visible = torch.arange(entries, device=q.device) < complete[..., None]
+                scores = index_scores(q[:, queries], compressed, head_weights[:, queries], self.softmax_scale,
+                                      self.weights_scaling).masked_fill(~visible, float("-inf"))     # [B, s, E]
+            indices = scores.topk(min(self.topk, entries), dim=-1).indices
+            picks.append(torch.where(indices < complete[..., None], indices, -1))
         return torch.cat(picks, dim=1)
