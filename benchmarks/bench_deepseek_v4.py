@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -104,29 +105,41 @@ def our_model(folder: Path, attention: str, recompute: dict | None = None, dtype
 
 
 def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: dict | None = None):
-    """(model, training step) of one `--paths` entry: an attention path, "+graphs" to capture the decoder
-    layers' CUDA graphs in the first step."""
-    attention, _, graphs = path.partition("+")
+    """(model, training step) of one `--paths` entry: an attention path, then options joined by "+": "graphs" to
+    capture the decoder layers' CUDA graphs in the first step, "dense-csa" to run the CSA layers' attention as the
+    dense blocks of window_attention.py instead of the kernels over each query's picks (the kernels' baseline)."""
+    from modelzoo.deepseek_v4.model import window_attention
+
+    attention, *options = path.split("+")
+    if unknown := set(options) - {"graphs", "dense-csa"}:
+        raise SystemExit(f"bench_deepseek_v4: unknown option(s) {sorted(unknown)} in --paths entry {path!r}")
     provider, model = our_model(folder, attention, recompute)
     step = megatron_step(provider, model, ids)
-    if not graphs:
-        return model, step
+    if "graphs" in options:
+        plain_step = step
 
-    def capturing_first():
-        if model.layer_graphs is None:
-            model.capture_cuda_graphs(ids)
-        return step()
-    return model, capturing_first
+        def step():  # the capture is part of the first step
+            if model.layer_graphs is None:
+                model.capture_cuda_graphs(ids)
+            return plain_step()
+    if "dense-csa" in options:
+        kernels_step = step
+
+        def step():
+            with mock.patch.object(window_attention, "_sparse_kernels", lambda q, kv: None):
+                return kernels_step()
+    return model, step
 
 
-def profile_our_model(folder: Path, ids: torch.Tensor, path: str, steps: int) -> None:
+def profile_our_model(folder: Path, ids: torch.Tensor, path: str, steps: int, warmup: int = 3,
+                      recompute: dict | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from modelzoo import runtime
 
     with runtime.parallel(tp=1):
-        _, step = our_step(folder, ids, path)
-        for _ in range(3):
+        _, step = our_step(folder, ids, path, recompute)
+        for _ in range(1 + warmup):
             step()
         torch.cuda.synchronize()
         # verbose=True: without it torch 2.11's profiler records no Python frames for group_by_stack_n
@@ -181,7 +194,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first, before the timed ones")
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
-                             "the decoder layers as CUDA graphs")
+                             "the decoder layers as CUDA graphs, '+dense-csa' runs the CSA attention as dense "
+                             "blocks (the baseline of its kernels)")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile --profile-steps steps of our model on the first of --paths and "
                              "print the top ops")
@@ -209,8 +223,9 @@ def run(args, folder: Path) -> None:
     config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
     write_deepseek_v4_tiny(folder, config)
     ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
+    recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     if args.profile:
-        profile_our_model(folder, ids, args.paths.split(",")[0], args.profile_steps)
+        profile_our_model(folder, ids, args.paths.split(",")[0], args.profile_steps, args.warmup, recompute)
         return
     peak = matmul_peak_tflops()
     flops = step_flops(config, args.seq)
@@ -233,7 +248,6 @@ def run(args, folder: Path) -> None:
                         "loss": loss, "first_step_s": first_step})
         torch.cuda.empty_cache()
 
-    recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     with_hf = not args.no_hf and args.recompute_layers is None  # transformers recomputes every layer or none
     if with_hf:
         hf = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
