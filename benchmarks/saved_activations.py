@@ -27,7 +27,8 @@ from bench_dense import recompute_settings, scratch_folder  # noqa: E402
 def saved_bytes_by_module(model: torch.nn.Module, forward) -> tuple[dict[str, int], object]:
     """(bytes of the storages autograd saves during `forward()`, by innermost module name; forward's result)."""
     names = {module: name for name, module in model.named_modules()}
-    kinds = {f"layers.{index}": layer.layer_type for index, layer in enumerate(model.decoder.layers)}
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    kinds = {f"layers.{index}": layer.layer_type for index, layer in enumerate(layers)}
 
     def group(name: str) -> str:
         return re.sub(r"layers\.(\d+)", lambda m: f"layers[{kinds.get(m.group(0), m.group(1))}]", name) or "(model)"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -149,3 +150,15 @@ def test_block_recompute_reaches_the_probed_script():
         assert command[command.index("--recompute") + 1] == "full"
         assert command[command.index("--recompute-layers") + 1] == "13"
         assert command[command.index("--seq") + 1] == "65536"
+
+
+def test_saved_activations_counts_each_saved_storage_once_under_the_module_that_saved_it():
+    """Linear saves its input, ReLU its output; the second Linear's input is that same output (counted once, under
+    the ReLU) and parameters are not activations."""
+    from saved_activations import saved_bytes_by_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    by_module, out = saved_bytes_by_module(model, lambda: model(x).sum())
+    out.backward()
+    assert dict(by_module) == {"0": 5 * 8 * 4, "1": 5 * 16 * 4}
