@@ -13,9 +13,9 @@ none. All query heads read one shared K = V head, so the heads fold into the GEM
                    rule "entry c is complete", c < (t + 1) // ratio, on CSA layers by the query's picks (a pick is
                    always a complete entry). The mask is built per chunk of queries, never [S, C] for the
                    sequence, so memory stays linear in S; the work is O(S x C) = O(S^2 / ratio) (5/8 of S x C),
-                   since a query's CSA picks are scored against every entry complete so far and masked. Gathering
-                   each query's k picks instead (O(S x k) work) was slower on an H100: [heads, D] x [D, k]
-                   products per query are bound by reading the gathered entries.
+                   since a query's CSA picks are scored against every entry complete so far and masked. On a GPU the
+                   CSA layers run `sparse_attention_kernels.py` instead (each query over its own window keys and
+                   picks, O(S x (window + k))); these blocks are their CPU path and the sliding and HCA layers'.
 
 Scores are accumulated and kept in fp32 (bf16 inputs, fp32 GEMM output) and the softmax is fp32 over the
 window keys, the entries and the sink together; probabilities are rounded to the input dtype only to multiply
