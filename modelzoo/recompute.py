@@ -7,14 +7,75 @@
 Only a region's inputs are kept; its activations are recomputed in the backward. The checkpoints are
 non-reentrant (torch.utils.checkpoint), so regions may take and return tensors that other regions also use
 (LoopCoder's loop-1 K/V, DeepSeek-V4's residual streams) and parameters without gradients (frozen indexers).
+
+A value a region computes without gradients and that costs time (DeepSeek-V4's indexer picks: projections, a
+score over every compressed entry, a top-k) can be `kept_for_recompute`: the region's first run keeps it, and its
+recompute gets it back instead of computing it again. The recompute then sees the forward's value by construction.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+T = TypeVar("T")
+
+
+class _KeptValues:
+    """The values one checkpointed region keeps in its first run, in call order, for its recompute. It lives as
+    long as the region's autograd graph (the checkpoint holds the recompute context), so nothing outlives it."""
+
+    def __init__(self):
+        self.values: list = []
+        self.cursor = 0
+        self.replaying = False
+
+
+class _Phase:
+    """The context a region's first run (replaying False) or its recompute (True) executes in."""
+
+    active = threading.local()  # the stack of regions running in this thread (the backward runs in its own)
+
+    def __init__(self, kept: _KeptValues, replaying: bool):
+        self.kept, self.replaying = kept, replaying
+
+    def __enter__(self):
+        self.kept.replaying, self.kept.cursor = self.replaying, 0   # a second backward (retain_graph) replays again
+        stack = getattr(self.active, "stack", None)
+        if stack is None:
+            stack = self.active.stack = []
+        stack.append(self.kept)
+
+    def __exit__(self, *exc):
+        self.active.stack.pop()
+
+
+def _phases() -> tuple[_Phase, _Phase]:
+    kept = _KeptValues()
+    return _Phase(kept, replaying=False), _Phase(kept, replaying=True)
+
+
+def kept_for_recompute(compute: Callable[[], T]) -> T:
+    """`compute()`; inside a recomputed region's recompute, the value its first run computed at this call (calls
+    in the same order). Only for values without gradients: the recompute must not need to differentiate them."""
+    stack = getattr(_Phase.active, "stack", None)
+    if not stack:
+        return compute()
+    kept = stack[-1]
+    if kept.replaying:
+        if kept.cursor >= len(kept.values):
+            raise RuntimeError("a recompute asked for more kept values than its first run kept: the region's "
+                               "calls to kept_for_recompute must not depend on anything but its inputs")
+        value = kept.values[kept.cursor]
+        kept.cursor += 1
+        return value
+    value = compute()
+    kept.values.append(value)
+    return value
 
 
 def recomputed(fn: Callable, enabled: bool) -> Callable:
@@ -24,7 +85,7 @@ def recomputed(fn: Callable, enabled: bool) -> Callable:
 
     def run(*args):
         if torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=_phases)
         return fn(*args)
 
     return run

@@ -27,6 +27,7 @@ from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
 from modelzoo.context_parallel import gather_in_row_order
 from modelzoo.fused import fused
+from modelzoo.recompute import kept_for_recompute
 from modelzoo.sequences import TokenLayout, plain_layout
 
 
@@ -242,7 +243,8 @@ class CSACompressor(_Compressor):
         layout = layout or plain_layout(*hidden_states.shape[:2], hidden_states.device)
         windows = CompressedWindows.of(layout.whole_rows(), self.ratio)
         compressed_kv = self.compress(hidden_states, windows, layout).unsqueeze(1)       # [B, 1, E, D]
-        picks = self.indexer(hidden_states, q_residual, position_ids, layout, windows)  # [B, S, k], -1 = none
+        # [B, S, k], -1 = none; an activation recompute reuses the forward's picks (integers, no gradient)
+        picks = kept_for_recompute(lambda: self.indexer(hidden_states, q_residual, position_ids, layout, windows))
         return compressed_kv, CompressedVisibility(windows, picks)
 
 
