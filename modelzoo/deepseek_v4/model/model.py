@@ -44,7 +44,7 @@ from modelzoo.sequences import TokenLayout, plain_layout
 
 # recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
 SELECTIVE_RECOMPUTE = {
-    "core_attn": "compressor, indexer and attention over window and compressed entries",
+    "core_attn": "compressor and attention over window and compressed entries (the indexer's picks are kept)",
     "layernorm": "hyper-connection maps and the norms after them",
     "moe": "router, routed and shared experts",
 }
