@@ -114,12 +114,11 @@ def main() -> None:
     with scratch_folder("deepseek-v4-bench") as scratch:
         folder = args.model if Path(args.model).is_dir() else None
         if args.model == "deepseek_v4":
-            from bench_deepseek_v4 import CONFIGS
+            from bench_deepseek_v4 import model_config
 
-            from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+            from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
 
-            write_deepseek_v4_tiny(scratch, {**DEEPSEEK_V4_TINY, **CONFIGS["large"],
-                                             "max_position_embeddings": max(65536, args.cp * args.seq)})
+            write_deepseek_v4_tiny(scratch, model_config("large", args.cp * args.seq))
             folder = str(scratch)
         elif folder is None and args.model not in ("llama", "loopcoder"):
             parser.error(f"--model {args.model!r}: not llama, loopcoder, deepseek_v4 or a checkpoint folder")

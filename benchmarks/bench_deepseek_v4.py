@@ -59,6 +59,15 @@ CONFIGS = {
 }
 
 
+def model_config(name: str, seq: int) -> dict:
+    """`--config` `name` over the tiny checkpoint's fields, with positions for a row of `seq` tokens: the release
+    attention's 65536, or `seq` where longer (the model refuses a row past its positions; RoPE costs the same)."""
+    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY
+
+    config = {**DEEPSEEK_V4_TINY, **CONFIGS[name]}
+    return {**config, "max_position_embeddings": max(config["max_position_embeddings"], seq)}
+
+
 def active_parameters(c: dict) -> float:
     """Matmul parameters a token goes through: attention projections, active + shared experts, the head."""
     hidden, heads, head_dim, layers = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["num_hidden_layers"]
@@ -218,9 +227,9 @@ def run(args, folder: Path) -> None:
     from transformers import DeepseekV4ForCausalLM
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
 
-    config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
+    config = model_config(args.config, args.seq)
     write_deepseek_v4_tiny(folder, config)
     ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)

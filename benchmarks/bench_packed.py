@@ -49,12 +49,12 @@ def build(name: str):
                                   recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return provider, provider.provide()
     from bench_dense import scratch_folder
-    from bench_deepseek_v4 import CONFIGS, our_model
+    from bench_deepseek_v4 import model_config, our_model
 
-    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
 
     with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
-        write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, **CONFIGS["small"]})
+        write_deepseek_v4_tiny(folder, model_config("small", 0))
         return our_model(folder, "fast")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_deepseek_v4 import CONFIGS, RECOMPUTE, our_model  # noqa: E402
+from bench_deepseek_v4 import CONFIGS, RECOMPUTE, model_config, our_model  # noqa: E402
 from bench_dense import recompute_settings, scratch_folder  # noqa: E402
 
 
@@ -69,9 +69,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
 
-    config = {**DEEPSEEK_V4_TINY, **CONFIGS[args.config]}
+    config = model_config(args.config, args.seq)
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, None)
     ids = torch.randint(0, config["vocab_size"], (1, args.seq), device="cuda")
     with scratch_folder("saved-activations") as folder, runtime.parallel(tp=1):

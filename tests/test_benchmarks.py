@@ -88,6 +88,18 @@ def test_the_recorded_command_can_be_typed_again(monkeypatch):
     assert (record["gpu"], record["commit"]) == ("NVIDIA H200", "abc1234")
 
 
+def test_the_deepseek_v4_bench_model_has_positions_for_its_row():
+    """A row past the config's positions is refused by the model: the benchmark gives it `--seq` positions there,
+    and keeps the release attention's (and its RoPE) for shorter rows."""
+    from bench_deepseek_v4 import CONFIGS, model_config
+
+    release = CONFIGS["large"]["max_position_embeddings"]
+    assert model_config("large", release // 2)["max_position_embeddings"] == release
+    longer = model_config("large", 2 * release)
+    assert longer["max_position_embeddings"] == 2 * release
+    assert longer["rope_parameters"] == CONFIGS["large"]["rope_parameters"]
+
+
 def test_longest_fit_doubles_then_bisects_on_the_granularity():
     tried = []
 
