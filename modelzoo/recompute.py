@@ -25,57 +25,50 @@ from torch.utils.checkpoint import checkpoint
 T = TypeVar("T")
 
 
-class _KeptValues:
-    """The values one checkpointed region keeps in its first run, in call order, for its recompute. It lives as
-    long as the region's autograd graph (the checkpoint holds the recompute context), so nothing outlives it."""
+class _Regions(threading.local):
+    """The stack of checkpointed regions running in this thread (a backward runs in its own thread)."""
 
     def __init__(self):
-        self.values: list = []
-        self.cursor = 0
-        self.replaying = False
+        self.stack: list[_Phase] = []
 
 
 class _Phase:
-    """The context a region's first run (replaying False) or its recompute (True) executes in."""
+    """The context one checkpointed region's first run (replaying False) or its recompute (True) executes in. Both
+    phases share `kept`, the values of the first run in call order; the checkpoint holds the recompute's context, so
+    they live as long as the region's autograd graph and no longer."""
 
-    active = threading.local()  # the stack of regions running in this thread (the backward runs in its own)
+    regions = _Regions()
 
-    def __init__(self, kept: _KeptValues, replaying: bool):
-        self.kept, self.replaying = kept, replaying
+    def __init__(self, kept: list, replaying: bool):
+        self.kept, self.replaying, self.cursor = kept, replaying, 0
 
     def __enter__(self):
-        self.kept.replaying, self.kept.cursor = self.replaying, 0   # a second backward (retain_graph) replays again
-        stack = getattr(self.active, "stack", None)
-        if stack is None:
-            stack = self.active.stack = []
-        stack.append(self.kept)
+        self.cursor = 0   # a second backward (retain_graph) replays from the first value again
+        self.regions.stack.append(self)
 
     def __exit__(self, *exc):
-        self.active.stack.pop()
+        self.regions.stack.pop()
 
 
 def _phases() -> tuple[_Phase, _Phase]:
-    kept = _KeptValues()
+    kept: list = []
     return _Phase(kept, replaying=False), _Phase(kept, replaying=True)
 
 
 def kept_for_recompute(compute: Callable[[], T]) -> T:
     """`compute()`; inside a recomputed region's recompute, the value its first run computed at this call (calls
     in the same order). Only for values without gradients: the recompute must not need to differentiate them."""
-    stack = getattr(_Phase.active, "stack", None)
-    if not stack:
+    if not _Phase.regions.stack:
         return compute()
-    kept = stack[-1]
-    if kept.replaying:
-        if kept.cursor >= len(kept.values):
-            raise RuntimeError("a recompute asked for more kept values than its first run kept: the region's "
-                               "calls to kept_for_recompute must not depend on anything but its inputs")
-        value = kept.values[kept.cursor]
-        kept.cursor += 1
-        return value
-    value = compute()
-    kept.values.append(value)
-    return value
+    phase = _Phase.regions.stack[-1]
+    if not phase.replaying:
+        phase.kept.append(compute())
+        return phase.kept[-1]
+    if phase.cursor >= len(phase.kept):
+        raise RuntimeError("a recompute asked for more kept values than its first run kept: the region's "
+                           "calls to kept_for_recompute must not depend on anything but its inputs")
+    phase.cursor += 1
+    return phase.kept[phase.cursor - 1]
 
 
 def recomputed(fn: Callable, enabled: bool) -> Callable:

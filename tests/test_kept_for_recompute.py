@@ -4,6 +4,7 @@ The oracle is the same function run without a checkpoint: gradients must be equa
 computation runs once per forward (not again in the backward) and nothing is kept outside a region.
 """
 
+import pytest
 import torch
 
 from modelzoo.recompute import kept_for_recompute, recomputed
@@ -52,3 +53,17 @@ def test_outside_a_recomputed_region_it_computes_every_time():
     with torch.no_grad():                      # a region that records no gradients runs without a checkpoint
         recomputed(_region(calls), True)(torch.randn(2, 6), torch.randn(6, 6))
     assert len(calls) == 3
+
+
+def test_a_recompute_that_asks_for_more_than_was_kept_is_refused():
+    runs = []
+
+    def fn(x):
+        runs.append(1)
+        for _ in range(len(runs)):             # the recompute (second run) asks twice, the first run once
+            kept_for_recompute(lambda: x.detach().argmax())
+        return (x * x).sum()
+
+    loss = recomputed(fn, True)(torch.randn(3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="a recompute asked for more kept values than its first run kept"):
+        loss.backward()
