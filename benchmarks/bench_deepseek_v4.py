@@ -116,12 +116,15 @@ def our_model(folder: Path, attention: str, recompute: dict | None = None, dtype
 def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: dict | None = None):
     """(model, training step) of one `--paths` entry: an attention path, then options joined by "+": "graphs" to
     capture the decoder layers' CUDA graphs in the first step, "dense-csa" to run the CSA layers' attention as the
-    dense blocks of window_attention.py instead of the kernels over each query's picks (the kernels' baseline)."""
+    dense blocks of window_attention.py instead of the kernels over each query's picks (the kernels' baseline),
+    "keep-attention" to keep the attention's output across a full recompute (`keep_attention_output`)."""
     from modelzoo.deepseek_v4.model import window_attention
 
     attention, *options = path.split("+")
-    if unknown := set(options) - {"graphs", "dense-csa"}:
+    if unknown := set(options) - {"graphs", "dense-csa", "keep-attention"}:
         raise SystemExit(f"bench_deepseek_v4: unknown option(s) {sorted(unknown)} in --paths entry {path!r}")
+    if "keep-attention" in options:
+        recompute = {**(recompute or {}), "keep_attention_output": True}
     provider, model = our_model(folder, attention, recompute)
     step = megatron_step(provider, model, ids)
     if "graphs" in options:
@@ -204,7 +207,8 @@ def main() -> None:
     parser.add_argument("--paths", default="exact,fast",
                         help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
                              "the decoder layers as CUDA graphs, '+dense-csa' runs the CSA attention as dense "
-                             "blocks (the baseline of its kernels)")
+                             "blocks (the baseline of its kernels), '+keep-attention' keeps the attention's output across a "
+                             "full recompute")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile --profile-steps steps of our model on the first of --paths and "
                              "print the top ops")

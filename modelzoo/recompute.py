@@ -11,10 +11,14 @@ non-reentrant (torch.utils.checkpoint), so regions may take and return tensors t
 A value a region computes without gradients and that costs time (DeepSeek-V4's indexer picks: projections, a
 score over every compressed entry, a top-k) can be `kept_for_recompute`: the region's first run keeps it, and its
 recompute gets it back instead of computing it again. The recompute then sees the forward's value by construction.
+A value of a named kind (`ATTENTION_OUTPUT`: an attention kernel's output and log-sum-exp, what its backward reads
+besides the inputs) is kept only by regions that keep that kind (`recomputed(..., keeps=...)`): it trades memory
+for the recompute's time, which a setting chooses.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,6 +27,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 T = TypeVar("T")
+
+# kinds of value a region may keep (`recomputed(..., keeps=...)`); values without a kind are always kept
+ATTENTION_OUTPUT = "attention_output"
 
 
 class _Regions(threading.local):
@@ -35,12 +42,12 @@ class _Regions(threading.local):
 class _Phase:
     """The context one checkpointed region's first run (replaying False) or its recompute (True) executes in. Both
     phases share `kept`, the values of the first run in call order; the checkpoint holds the recompute's context, so
-    they live as long as the region's autograd graph and no longer."""
+    they live as long as the region's autograd graph and no longer. `keeps`: the kinds of value the region keeps."""
 
     regions = _Regions()
 
-    def __init__(self, kept: list, replaying: bool):
-        self.kept, self.replaying, self.cursor = kept, replaying, 0
+    def __init__(self, kept: list, replaying: bool, keeps: frozenset[str]):
+        self.kept, self.replaying, self.keeps, self.cursor = kept, replaying, keeps, 0
 
     def __enter__(self):
         self.cursor = 0   # a second backward (retain_graph) replays from the first value again
@@ -50,17 +57,20 @@ class _Phase:
         self.regions.stack.pop()
 
 
-def _phases() -> tuple[_Phase, _Phase]:
+def _phases(keeps: frozenset[str]) -> tuple[_Phase, _Phase]:
     kept: list = []
-    return _Phase(kept, replaying=False), _Phase(kept, replaying=True)
+    return _Phase(kept, replaying=False, keeps=keeps), _Phase(kept, replaying=True, keeps=keeps)
 
 
-def kept_for_recompute(compute: Callable[[], T]) -> T:
+def kept_for_recompute(compute: Callable[[], T], kind: str | None = None) -> T:
     """`compute()`; inside a recomputed region's recompute, the value its first run computed at this call (calls
-    in the same order). Only for values without gradients: the recompute must not need to differentiate them."""
+    in the same order). Only for values without gradients: the recompute must not need to differentiate them.
+    A value of a `kind` is kept only where the innermost region keeps that kind; elsewhere it is computed."""
     if not _Phase.regions.stack:
         return compute()
     phase = _Phase.regions.stack[-1]
+    if kind is not None and kind not in phase.keeps:
+        return compute()
     if not phase.replaying:
         phase.kept.append(compute())
         return phase.kept[-1]
@@ -71,14 +81,15 @@ def kept_for_recompute(compute: Callable[[], T]) -> T:
     return phase.kept[phase.cursor - 1]
 
 
-def recomputed(fn: Callable, enabled: bool) -> Callable:
-    """`fn`, or `fn` under an activation checkpoint when `enabled` and gradients are being recorded."""
+def recomputed(fn: Callable, enabled: bool, keeps: frozenset[str] = frozenset()) -> Callable:
+    """`fn`, or `fn` under an activation checkpoint when `enabled` and gradients are being recorded; `keeps`: the
+    kinds of value (e.g. `ATTENTION_OUTPUT`) its first run keeps for its recompute."""
     if not enabled:
         return fn
 
     def run(*args):
         if torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False, context_fn=_phases)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(_phases, keeps))
         return fn(*args)
 
     return run

@@ -67,3 +67,18 @@ def test_a_recompute_that_asks_for_more_than_was_kept_is_refused():
     loss = recomputed(fn, True)(torch.randn(3, requires_grad=True))
     with pytest.raises(RuntimeError, match="a recompute asked for more kept values than its first run kept"):
         loss.backward()
+
+
+def test_a_value_of_a_kind_is_kept_only_where_the_region_keeps_that_kind():
+    def runs_of(keeps):
+        calls = []
+
+        def fn(x):
+            scale = kept_for_recompute(lambda: calls.append(1) or x.detach().abs().max(), kind="scale")
+            return (torch.sin(x) / scale).sum()
+
+        recomputed(fn, True, keeps)(torch.randn(5, requires_grad=True)).backward()
+        return len(calls)
+
+    assert runs_of(frozenset()) == 2          # computed again by the recompute
+    assert runs_of(frozenset({"scale"})) == 1

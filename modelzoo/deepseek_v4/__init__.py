@@ -45,7 +45,11 @@ class DeepseekV4Provider(ModelProvider):
     A checkpoint written by transformers' `save_pretrained` has no `mtp.*` tensors (transformers builds no MTP)
     while its config keeps `num_nextn_predict_layers`: its model is built without MTP layers, and reading its
     weights says so in one warning. `require_mtp=True` builds them anyway, so such a checkpoint is refused
-    (missing tensors)."""
+    (missing tensors).
+
+    `keep_attention_output=True` (with `attention="fast"` and `recompute_granularity="full"`): each recomputed
+    layer keeps its attention kernels' output and log-sum-exp from the forward (at head_dim 512 x 16 heads in bf16,
+    16 KiB per token and layer), so the backward's recompute does not run them again."""
 
     name = "deepseek_v4"
     hf_model_types = ("deepseek_v4",)
@@ -54,8 +58,9 @@ class DeepseekV4Provider(ModelProvider):
     supports_context_parallel = True
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
-                 mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False, **config_overrides):
-        self.mtp_loss_scale = mtp_loss_scale
+                 mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False,
+                 keep_attention_output: bool = False, **config_overrides):
+        self.mtp_loss_scale, self.keep_attention_output = mtp_loss_scale, keep_attention_output
         self.mtp_not_in_checkpoint = bool(build_mtp and not require_mtp and hf_config.num_nextn_predict_layers
                                           and hf_dir is not None and checkpoint_lacks_mtp(hf_dir))
         self.build_mtp = build_mtp and not self.mtp_not_in_checkpoint
@@ -77,6 +82,10 @@ class DeepseekV4Provider(ModelProvider):
             raise ValueError(f"DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers, and {self.hf_dir} has no mtp.* tensors")
         if self.mtp_loss_scale and not (self.build_mtp and self.hf_config.num_nextn_predict_layers):
             raise ValueError("DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers (num_nextn_predict_layers > 0, build_mtp=True)")
+        full = self.config_overrides.get("recompute_granularity") == "full"
+        if self.keep_attention_output and not (full and self.attention == "fast"):
+            raise ValueError("DeepSeek-V4: keep_attention_output=True keeps the fast attention's output across a full "
+                             "recompute: it needs attention='fast' and recompute_granularity='full'")
 
     def model_options(self) -> dict:
         return {"build_mtp": False} if self.hf_config.num_nextn_predict_layers and not self.build_mtp else {}
@@ -96,7 +105,8 @@ class DeepseekV4Provider(ModelProvider):
         from modelzoo.deepseek_v4.model.model import DeepseekV4Model
 
         return DeepseekV4Model(config, self.args, self.padded_vocab_size(), self.attention, self.build_mtp,
-                               self.mtp_loss_scale, **self.pipeline_stage())
+                               self.mtp_loss_scale, keep_attention_output=self.keep_attention_output,
+                               **self.pipeline_stage())
 
     def pipeline_seq_length(self, seq_length: int) -> int:
         return seq_length * self.hf_config.hc_mult  # the hyper-connection streams travel between stages

@@ -4,18 +4,23 @@ Recompute re-runs the same operations on the same inputs in the backward, so on 
 gradient must equal the run without recompute bit for bit (no tolerance): exact and fast attention, a plain
 batch and a packed row. Each setting must also recompute what it names (the module runs again in the
 backward), except the indexer, whose picks the recompute gets back from the forward (it runs once), and a name
-this model has no piece for is refused by name.
+this model has no piece for is refused by name. With `keep_attention_output` the recompute gets the attention's
+output from the forward: the attention runs once per layer, and the loss and gradients are still bit-equal.
 """
+
+from unittest import mock
 
 import pytest
 import torch
 from dsv4_helpers import provider_for, random_tokens, write_tiny
 
 from modelzoo import runtime
+from modelzoo.deepseek_v4.model import window_attention
 from modelzoo.sequences import pack_sequences
 
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 SETTINGS = {
-    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-uniform-2": FULL,
     "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     "selective-all": dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "moe"]),
 }
@@ -85,3 +90,28 @@ def test_a_recompute_module_this_model_does_not_have_is_refused(tiny):
         with pytest.raises(ValueError, match="DeepSeek-V4: recompute_modules 'mlp' names no piece of this model; "
                                              "it recomputes 'core_attn' .*'layernorm' .*'moe'"):
             provider.provide()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_kept_attention_outputs_are_not_recomputed(tiny, packed):
+    def attends(**overrides):
+        with mock.patch.object(window_attention, "_attend", wraps=window_attention._attend) as attend:
+            return *_step(tiny, "fast", packed, **overrides)[:2], attend.call_count
+
+    with runtime.parallel():
+        loss, grads, calls = attends()
+        _, _, recomputed_calls = attends(**FULL)
+        assert recomputed_calls > calls                           # the oracle: full recompute attends again
+        kept_loss, kept_grads, kept_calls = attends(**FULL, keep_attention_output=True)
+        assert kept_calls == calls
+        assert torch.equal(kept_loss, loss)
+        assert kept_grads.keys() == grads.keys()
+        assert not [name for name in grads if not torch.equal(kept_grads[name], grads[name])]
+
+
+@pytest.mark.parametrize("overrides", [dict(attention="exact", **FULL), dict(attention="fast")], ids=["exact", "no-recompute"])
+def test_keeping_attention_outputs_without_a_full_recompute_of_the_fast_path_is_refused(tiny, overrides):
+    with pytest.raises(ValueError, match="DeepSeek-V4: keep_attention_output=True keeps the fast attention's output "
+                                         "across a full recompute: it needs attention='fast' and "
+                                         "recompute_granularity='full'"):
+        provider_for(tiny, keep_attention_output=True, **overrides)

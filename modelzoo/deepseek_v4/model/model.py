@@ -39,7 +39,7 @@ from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
 from modelzoo.deepseek_v4.model.layers import RMSNorm
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
-from modelzoo.recompute import full_recompute_groups, recomputed, selective_modules
+from modelzoo.recompute import ATTENTION_OUTPUT, full_recompute_groups, recomputed, selective_modules
 from modelzoo.sequences import TokenLayout, plain_layout
 
 # recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
@@ -111,7 +111,8 @@ class DeepseekV4Decoder(nn.Module):
     offset (`layer_number`, 1-based, as Megatron's TransformerLayer); the last stage also holds the head's hyper
     connection and norm."""
 
-    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact", post_process: bool = True):
+    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact", post_process: bool = True,
+                 keep_attention_output: bool = False):
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -130,6 +131,8 @@ class DeepseekV4Decoder(nn.Module):
             self.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
         # as Megatron's TransformerBlock: full recompute counts this stage's layers
         self.recompute_groups = full_recompute_groups(config, len(self.layers))
+        # what a fully recomputed run of layers keeps from its forward besides its input streams
+        self.recompute_keeps = frozenset({ATTENTION_OUTPUT} if keep_attention_output else ())
         self.recomputing = any(recompute for _, recompute in self.recompute_groups) or bool(recompute)
 
     def forward(self, streams: torch.Tensor, position_ids: torch.Tensor, input_ids: torch.Tensor | None,
@@ -140,7 +143,7 @@ class DeepseekV4Decoder(nn.Module):
                 for index in layers:
                     streams = self.layers[index](streams, position_ids, input_ids, layout, unrouted)
                 return streams
-            streams = recomputed(run, recompute)(streams)
+            streams = recomputed(run, recompute, self.recompute_keeps)(streams)
         return streams
 
 
@@ -157,7 +160,7 @@ class DeepseekV4Model(MegatronModule):
 
     def __init__(self, config, args: DeepseekV4Args, padded_vocab_size: int, attention: str = "exact",
                  build_mtp: bool = True, mtp_loss_scale: float = 0.0, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, keep_attention_output: bool = False):
         super().__init__(config=config)
         from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP
 
@@ -173,7 +176,7 @@ class DeepseekV4Model(MegatronModule):
             self.embedding.word_embeddings = VocabParallelEmbedding(
                 padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
                 reduce_scatter_embeddings=self.sequence_parallel)
-        self.decoder = DeepseekV4Decoder(config, args, attention, post_process)
+        self.decoder = DeepseekV4Decoder(config, args, attention, post_process, keep_attention_output)
         if post_process:
             # tied: no weight of its own, the embedding matrix is handed to it (as GPTModel does)
             self.output_layer = ColumnParallelLinear(

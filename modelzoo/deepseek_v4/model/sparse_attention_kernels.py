@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from modelzoo.deepseek_v4.model.hc_kernels import INTERPRETED
+from modelzoo.recompute import ATTENTION_OUTPUT, kept_for_recompute
 
 # key rows per block (the candidates timed on a GPU, the first one under the interpreter) and warps per program
 KEY_BLOCKS = [16, 32, 64]
@@ -133,16 +134,23 @@ def _launch_shape(q: torch.Tensor) -> dict:
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
 
+def _attend(q, kv, picks, sinks, scale: float, window: int, halo: int):
+    """The forward kernel: output [B, S, h, D] and log-sum-exp [B, S, h] (fp32)."""
+    shape = _launch_shape(q)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    extra = {"BLOCK_N": KEY_BLOCKS[0]} if INTERPRETED else {}
+    _forward[shape.pop("grid")](q, kv, picks, sinks, out, lse, q.shape[1], kv.shape[1], picks.shape[-1], window, halo,
+                                scale, **shape, **extra)
+    return out, lse
+
+
 class SparseSinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, picks, sinks, scale: float, window: int, halo: int):
-        seq_len, picks_per_query = q.shape[1], picks.shape[-1]
-        shape = _launch_shape(q)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        extra = {"BLOCK_N": KEY_BLOCKS[0]} if INTERPRETED else {}
-        _forward[shape.pop("grid")](q, kv, picks, sinks, out, lse, seq_len, kv.shape[1], picks_per_query, window, halo,
-                                    scale, **shape, **extra)
+        # a region that keeps attention outputs gives its recompute the forward's, not another run
+        out, lse = kept_for_recompute(lambda: _attend(q, kv, picks, sinks, scale, window, halo), kind=ATTENTION_OUTPUT)
+        out = out.detach()  # the output takes this node's history, a kept tensor must not (a cycle through it)
         ctx.save_for_backward(q, kv, picks, sinks, out, lse)
         ctx.scale, ctx.window, ctx.halo = scale, window, halo
         return out

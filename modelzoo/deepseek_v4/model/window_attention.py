@@ -34,6 +34,7 @@ import torch
 from modelzoo.attention import in_window
 from modelzoo.deepseek_v4.model.layers import matmul_fp32
 from modelzoo.fused import fused
+from modelzoo.recompute import ATTENTION_OUTPUT, kept_for_recompute
 
 SCORE_BUDGET = 2**27   # score elements per chunk of queries (512 MiB in fp32)
 ENTRY_BUCKETS = 4      # distinct counts of compressed entries the chunks of one call score against
@@ -163,15 +164,25 @@ def _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
                      halo)
 
 
+def _attend(q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo):
+    """The forward's output [B, S, h, D] and log-sum-exp [B, S, h] (fp32), chunk by chunk."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for chunk in _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
+        probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
+        out[:, chunk.rows_slice] = chunk.weighted_keys(probs.flatten(0, 1).flatten(1, 2))
+        lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
+    return out, lse
+
+
 class _WindowSinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for chunk in _chunks(q, kv, compressed, picks, ratio, window, first_position, halo):
-            probs, lse_chunk = _probabilities(chunk.scores(), chunk.visible, sinks, scale, q.dtype)
-            out[:, chunk.rows_slice] = chunk.weighted_keys(probs.flatten(0, 1).flatten(1, 2))
-            lse[:, chunk.rows_slice] = lse_chunk.flatten(1, 2)
+        # a region that keeps attention outputs gives its recompute the forward's, not another run
+        out, lse = kept_for_recompute(
+            lambda: _attend(q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo),
+            kind=ATTENTION_OUTPUT)
+        out = out.detach()  # the output takes this node's history, a kept tensor must not (a cycle through it)
         ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
         ctx.scale, ctx.window, ctx.ratio, ctx.first_position, ctx.halo = scale, window, ratio, first_position, halo
         return out
