@@ -4,6 +4,7 @@ The oracle is `window_sink_attention`'s dense path on CPU (fp32; tested against 
 test_window_attention.py and with a halo in the context-parallel tests): outputs and the gradients of q, kv and the
 sinks. On CPU the kernels run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, set before triton is
 imported), fp32; on a GPU, compiled, in bf16 too: `pytest -m gpu tests/deepseek_v4/test_sparse_attention_kernels.py`.
+Both also run the kernels under a recompute that keeps the attention output (`keep_attention_output`).
 """
 
 from unittest import mock
@@ -80,6 +81,25 @@ def check(device: str, bf16: bool) -> None:
             assert kernel <= plain + BF16_ROUNDING * expected.abs().max().item(), (case, name, kernel, plain)
 
 
+def check_kept_across_recompute(device: str) -> None:
+    """keep_attention_output through the kernels: a recomputed region that keeps attention outputs runs the forward
+    kernel once (the forward's output goes to the recompute) and gives the gradients of a run without recompute."""
+    from modelzoo.deepseek_v4.model import sparse_attention_kernels
+    from modelzoo.recompute import ATTENTION_OUTPUT, recomputed
+
+    leaves, picks, window, halo, out_grad = inputs("picks over several key blocks, 16 heads", device, torch.float32)
+
+    def loss(q, kv, sinks):
+        return (sparse_sink_attention(q, kv, sinks, q.shape[-1] ** -0.5, window, picks, halo=halo) * out_grad).sum()
+
+    reference = torch.autograd.grad(loss(*leaves), leaves)
+    for keeps, runs in ((frozenset(), 2), (frozenset({ATTENTION_OUTPUT}), 1)):   # recomputed, then kept
+        with mock.patch.object(sparse_attention_kernels, "_attend", wraps=sparse_attention_kernels._attend) as attend:
+            grads = torch.autograd.grad(recomputed(loss, True, keeps)(*leaves), leaves)
+        assert attend.call_count == runs, (keeps, attend.call_count)
+        assert max(max_errors(grads, reference)) <= FP32_TOLERANCE, keeps
+
+
 def test_kernels_match_the_dense_blocks_in_triton_interpreter(run_in_triton_interpreter):
     """CPU tensors through Triton's interpreter: the kernels' rows, masks and maths without a GPU (fp32: the
     interpreter truncates fp32 to bf16 instead of rounding, so bf16 is checked on the GPU)."""
@@ -90,7 +110,9 @@ def test_kernels_match_the_dense_blocks_in_triton_interpreter(run_in_triton_inte
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_match_the_dense_blocks_on_the_gpu():
     check("cuda", bf16=True)
+    check_kept_across_recompute("cuda")
 
 
 if __name__ == "__main__":
     check("cpu", bf16=False)
+    check_kept_across_recompute("cpu")
