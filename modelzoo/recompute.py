@@ -73,12 +73,21 @@ def kept_for_recompute(compute: Callable[[], T], kind: str | None = None) -> T:
         return compute()
     if not phase.replaying:
         phase.kept.append(compute())
-        return phase.kept[-1]
+        return _aliases(phase.kept[-1])
     if phase.cursor >= len(phase.kept):
         raise RuntimeError("a recompute asked for more kept values than its first run kept: the region's "
                            "calls to kept_for_recompute must not depend on anything but its inputs")
     phase.cursor += 1
-    return phase.kept[phase.cursor - 1]
+    return _aliases(phase.kept[phase.cursor - 1])
+
+
+def _aliases(value):
+    """A kept tensor (or tuple of them) as new tensor objects on the same memory: a caller that gives the object
+    autograd history (an autograd Function returning it as its output) must not give it to the kept one, whose
+    history would then hold the region's graph alive through the kept list."""
+    if isinstance(value, tuple):
+        return tuple(_aliases(item) for item in value)
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def recomputed(fn: Callable, enabled: bool, keeps: frozenset[str] = frozenset()) -> Callable:

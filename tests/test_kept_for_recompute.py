@@ -82,3 +82,20 @@ def test_a_value_of_a_kind_is_kept_only_where_the_region_keeps_that_kind():
 
     assert runs_of(frozenset()) == 2          # computed again by the recompute
     assert runs_of(frozenset({"scale"})) == 1
+
+
+def test_kept_tensors_are_handed_out_as_new_objects_on_the_same_memory():
+    """An autograd Function that returns a kept tensor as its output gives that object its history: the kept one
+    must stay without it (else it would hold the region's graph through the kept list)."""
+    made, handed = [], []
+
+    def fn(x):
+        out, lse = kept_for_recompute(lambda: made.append((x.detach() * 2, x.detach().sum())) or made[-1])
+        handed.append((out, lse))
+        return (x * out).sum() + lse
+
+    recomputed(fn, True)(torch.randn(4, requires_grad=True)).backward()
+    assert len(made) == 1 and len(handed) == 2      # computed once; handed to the first run and the recompute
+    for out, lse in handed:
+        assert out is not made[0][0] and lse is not made[0][1]
+        assert out.data_ptr() == made[0][0].data_ptr() and lse.data_ptr() == made[0][1].data_ptr()

@@ -150,7 +150,6 @@ class SparseSinkAttention(torch.autograd.Function):
     def forward(ctx, q, kv, picks, sinks, scale: float, window: int, halo: int):
         # a region that keeps attention outputs gives its recompute the forward's, not another run
         out, lse = kept_for_recompute(lambda: _attend(q, kv, picks, sinks, scale, window, halo), kind=ATTENTION_OUTPUT)
-        out = out.detach()  # the output takes this node's history, a kept tensor must not (a cycle through it)
         ctx.save_for_backward(q, kv, picks, sinks, out, lse)
         ctx.scale, ctx.window, ctx.halo = scale, window, halo
         return out

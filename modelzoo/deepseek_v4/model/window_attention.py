@@ -182,7 +182,6 @@ class _WindowSinkAttention(torch.autograd.Function):
         out, lse = kept_for_recompute(
             lambda: _attend(q, kv, compressed, picks, sinks, scale, window, ratio, first_position, halo),
             kind=ATTENTION_OUTPUT)
-        out = out.detach()  # the output takes this node's history, a kept tensor must not (a cycle through it)
         ctx.save_for_backward(q, kv, compressed, picks, sinks, out, lse)
         ctx.scale, ctx.window, ctx.ratio, ctx.first_position, ctx.halo = scale, window, ratio, first_position, halo
         return out
