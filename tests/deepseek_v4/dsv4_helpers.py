@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.masking_utils import create_sliding_window_causal_mask
 
+from conversion import megatron_ckpt
+from modelzoo import runtime
 from modelzoo.deepseek_v4 import DeepseekV4Provider
 from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 
@@ -24,6 +27,20 @@ def write_tiny(folder: Path, **changes) -> Path:
 def provider_for(folder: Path, **overrides) -> DeepseekV4Provider:
     config = DeepseekV4Config.from_dict(json.loads((Path(folder) / "config.json").read_text()))
     return DeepseekV4Provider(config, hf_dir=folder, **overrides)
+
+
+def assert_reloads_in_one_process(folder: Path, checkpoint: Path) -> None:
+    """The Megatron checkpoint `checkpoint` (saved at any layout) loaded into one process exports the HF weights
+    of `folder` bit-exactly."""
+    source = load_file(Path(folder) / "model.safetensors")
+    with runtime.parallel():
+        provider = provider_for(folder)
+        model = provider.provide()
+        megatron_ckpt.load(model, checkpoint)
+        exported = dict(provider.export_hf_weights(model))
+    assert sorted(exported) == sorted(source)
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def hf_model(folder: Path) -> DeepseekV4ForCausalLM:

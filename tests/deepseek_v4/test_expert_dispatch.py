@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dsv4_helpers import (
+    assert_reloads_in_one_process,
     hf_logprobs_and_grads,
     hf_model,
     hf_token_logprobs,
@@ -39,7 +40,6 @@ from dsv4_helpers import (
     relative_grad_errors,
     write_tiny,
 )
-from safetensors.torch import load_file
 
 from conversion import megatron_ckpt
 from modelzoo import runtime
@@ -269,12 +269,4 @@ def test_dispatchers_give_the_same_logprobs_and_gradients(spawned):
 @pytest.mark.parametrize("saved", ["ep4", "ep2_etp2"])
 def test_torch_dist_checkpoint_reloads_at_ep1(setup, spawned, checkpoints, saved):
     """A Megatron checkpoint written with the experts over 4 ranks loads into one process bit-exactly."""
-    source = load_file(setup[0] / "model.safetensors")
-    with runtime.parallel():
-        provider = provider_for(setup[0])
-        model = provider.provide()
-        megatron_ckpt.load(model, checkpoints / saved)
-        exported = dict(provider.export_hf_weights(model))
-    assert sorted(exported) == sorted(source)
-    for name, tensor in source.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_reloads_in_one_process(setup[0], checkpoints / saved)

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dsv4_helpers import (
+    assert_reloads_in_one_process,
     hf_float64_grads,
     hf_logprobs_and_grads,
     hf_model,
@@ -149,12 +150,4 @@ def test_round_trip_is_bit_exact(setup, layout, request):
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 def test_torch_dist_checkpoint_reloads_at_tp1(setup, layout, spawned, checkpoints):
     """A Megatron checkpoint written sharded (TP=2 / EP=2) loads into one process bit-exactly."""
-    source = load_file(setup[0] / "model.safetensors")
-    with runtime.parallel():
-        provider = provider_for(setup[0])
-        model = provider.provide()
-        megatron_ckpt.load(model, checkpoints / layout)
-        exported = dict(provider.export_hf_weights(model))
-    assert sorted(exported) == sorted(source)
-    for name, tensor in source.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_reloads_in_one_process(setup[0], checkpoints / layout)
