@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dense import (  # noqa: E402
-    check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, recompute_settings, results_file, run_record,
-    scratch_folder, time_steps)
+    check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens, recompute_settings, results_file,
+    run_record, scratch_folder, time_steps)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -235,7 +235,7 @@ def run(args, folder: Path) -> None:
 
     config = model_config(args.config, args.seq)
     write_deepseek_v4_tiny(folder, config)
-    ids = torch.randint(0, config["vocab_size"], (BATCH, args.seq), device="cuda")
+    ids = random_tokens(config["vocab_size"], (BATCH, args.seq))
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     if args.profile:
         profile_our_model(folder, ids, args.paths.split(",")[0], args.profile_steps, args.warmup, recompute)

@@ -115,6 +115,12 @@ def results_file(name: str) -> str:
     return str(RESULTS / f"{name}_{gpu}.json")
 
 
+def random_tokens(vocab: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Token ids drawn from a fixed seed, on the GPU: runs in separate processes time the same tokens (the MoE's
+    routing, and so its timing, depends on them)."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)).cuda()
+
+
 def matmul_peak_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -198,7 +204,7 @@ def main() -> None:
     positions = {"max_position_embeddings": max(LLAMA["max_position_embeddings"], seq)}  # RoPE covers the row
     llama, loopcoder = {**LLAMA, **positions}, {**LOOPCODER, **positions}
     peak = matmul_peak_tflops()
-    ids = torch.randint(0, VOCAB, (batch, seq), device="cuda")
+    ids = random_tokens(VOCAB, (batch, seq))
     results = []
 
     def record(name, config, loops, step_fn):
