@@ -178,6 +178,7 @@ def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attentio
     batch, seq = input_ids.shape
     device = input_ids.device
     whole_seq = seq if context_parallel is None else seq * context_parallel.size
+    last_packed = None
     if packed_seq_params is not None:
         if attention_mask is not None:
             raise BatchLayoutError("attention_mask and packed_seq_params together: a packed (THD) row is described by "
@@ -190,6 +191,7 @@ def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attentio
             raise BatchLayoutError(f"{error} (this rank's {seq} tokens x context parallel size {context_parallel.size}:"
                                    f" input_ids must be this rank's share, modelzoo.context_parallel.split_for_rank)"
                                    ) from None
+        last_packed = int(layout.segment_ids.max())
     elif attention_mask is not None:
         if context_parallel is not None:
             raise BatchLayoutError(f"attention_mask with context parallel size {context_parallel.size}: split rows are "
@@ -198,14 +200,28 @@ def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attentio
         layout = _masked_layout(attention_mask, batch, seq, device)
     else:
         layout = plain_layout(batch, whole_seq, device)
+    if max_positions is not None and position_ids is None:
+        _check_reach(layout, max_positions, last_packed)  # the whole rows: every context-parallel rank agrees
     if context_parallel is not None:
         layout = _rank_share(layout, row_slots(whole_seq, packed_seq_params), context_parallel)
     if position_ids is not None:
         layout = _with_position_ids(layout, position_ids, batch, seq)
-    if max_positions is not None and layout.rope_length > max_positions:
-        raise BatchLayoutError(f"a sequence reaches position {layout.rope_length - 1}, past the model's "
-                               f"{max_positions} positions (max_position_embeddings)")
+        if max_positions is not None:
+            _check_reach(layout, max_positions, last_packed)
     return layout
+
+
+def _check_reach(layout: TokenLayout, max_positions: int, last_packed: int | None) -> None:
+    """Refuse RoPE positions past `max_positions`, except in the last sequence of a packed row: slime and miles pad a
+    packed row with one more cu_seqlens entry whose positions run on past the trained range. It attends only to
+    itself, so whatever it holds, it is computed (RoPE extends by its formula) and changes no other sequence."""
+    positions = layout.rope_positions
+    if layout.rope_length > max_positions and last_packed is not None:
+        positions = positions[layout.segment_ids != last_packed]
+    reach = int(positions.max()) + 1 if positions.numel() else 0
+    if reach > max_positions:
+        raise BatchLayoutError(f"a sequence reaches position {reach - 1}, past the model's "
+                               f"{max_positions} positions (max_position_embeddings)")
 
 
 def row_slots(seq: int, packed_seq_params=None) -> list[int]:
@@ -284,16 +300,45 @@ def _masked_layout(attention_mask: Tensor, batch: int, seq: int, device) -> Toke
         longest = int(real.sum(1).max()) if seq else 0
         return TokenLayout(segment_ids, positions, positions, None, plain=bool(real.all()), longest=longest,
                            rope_length=max(longest, 1))
-    # a token is real when it may attend to itself
-    real = ~mask[:, 0].diagonal(dim1=1, dim2=2)
-    index = torch.arange(seq, device=device)
-    padding_form = ~((index[None, :] <= index[:, None]) & real[:, None, :])             # [b, s, s]
-    if bool((mask[:, 0] == padding_form)[real].all()):  # causal over the real tokens: a padding mask
-        return _masked_layout(~real.view(batch, 1, 1, seq), batch, seq, device)
+    segments = _causal_runs(~mask[:, 0])
+    if segments is not None:
+        segment_ids, positions = segments
+        longest = int(positions.max()) + 1 if bool((segment_ids >= 0).any()) else 0
+        return TokenLayout(segment_ids, positions, positions, None, plain=bool((segment_ids == 0).all()),
+                           longest=longest, rope_length=max(longest, 1))
     # a general mask is kept as given; positions are row indices
-    positions = index.expand(batch, -1)
+    real = ~mask[:, 0].diagonal(dim1=1, dim2=2)  # a token is real when it may attend to itself
+    positions = torch.arange(seq, device=device).expand(batch, -1)
     return TokenLayout(torch.where(real, 0, -1), positions, positions, mask, plain=False, longest=seq,
                        rope_length=seq)
+
+
+def _causal_runs(allowed: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A full mask as sequences, when it is causal over runs of consecutive tokens: (segment_ids, positions) [b, s].
+
+    `allowed` [b, s, s]: query t may attend to key u. A token is real when it may attend to itself (a padding token
+    sees nothing, or may see only itself); each real token must attend to exactly the keys from its sequence's
+    first token to itself, all real and of the same sequence. That is the padding mask of left or right padding in
+    Megatron's [b, 1, s, s] form (causal, padding keys and queries masked), with or without padding tokens seeing
+    themselves, and the block-causal mask of documents packed in a row (Megatron's `reset_attention_mask`).
+    Anything else gives None: a general mask."""
+    batch, seq, _ = allowed.shape
+    index = torch.arange(seq, device=allowed.device)
+    real = allowed.diagonal(dim1=1, dim2=2)
+    first_key = torch.where(real, allowed.long().argmax(-1), index)                      # [b, s]
+    run = (index[None, None, :] >= first_key[:, :, None]) & (index[None, None, :] <= index[None, :, None])
+    if not bool((allowed == run)[real].all()):
+        return None
+    # a token after the first of its run continues the previous token's run, which is real
+    starts = first_key == index
+    continues = (first_key[:, 1:] == first_key[:, :-1]) & real[:, :-1]
+    if not bool((~real[:, 1:] | starts[:, 1:] | continues).all()):
+        return None
+    # a token that sees only itself and is seen by no other is a sequence of one token: padding or not, the
+    # same computation
+    segment_ids = torch.where(real, (starts & real).long().cumsum(1) - 1, -1)
+    positions = torch.where(real, index - first_key, 0)
+    return segment_ids, positions
 
 
 def _packed_layout(params, batch: int, seq: int, device) -> TokenLayout:

@@ -106,7 +106,19 @@ def test_other_bad_batches_are_refused():
     with pytest.raises(BatchLayoutError, match="a sequence reaches position 9, past the model's 8 positions"):
         token_layout(ids, position_ids=torch.tensor([[0, 1, 2, 9]] * 2), max_positions=8)
     with pytest.raises(BatchLayoutError, match="a sequence reaches position 9, past the model's 8 positions"):
-        token_layout(torch.zeros(1, 12, dtype=torch.long), packed_seq_params=thd([0, 2, 12]), max_positions=8)
+        token_layout(torch.zeros(1, 12, dtype=torch.long), packed_seq_params=thd([0, 10, 12]), max_positions=8)
+
+
+def test_the_last_sequence_of_a_packed_row_may_run_past_the_trained_positions():
+    """slime / miles pad a packed row with one more cu_seqlens entry, whose positions run on: it is computed, and the
+    sequences before it are refused past the trained range as any sequence is."""
+    layout = token_layout(torch.zeros(1, 12, dtype=torch.long), packed_seq_params=thd([0, 2, 12]), max_positions=8)
+    assert layout.rope_length == 10 and layout.positions[0, -1] == 9
+    with pytest.raises(BatchLayoutError, match="a sequence reaches position 8, past the model's 8 positions"):
+        token_layout(torch.zeros(1, 12, dtype=torch.long), packed_seq_params=thd([0, 9, 12]), max_positions=8)
+    with pytest.raises(BatchLayoutError, match="a sequence reaches position 9, past the model's 8 positions"):
+        token_layout(torch.zeros(1, 12, dtype=torch.long), position_ids=torch.tensor([[9] + [0] * 11]),
+                     packed_seq_params=thd([0, 2, 12]), max_positions=8)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "loopcoder-tiny", "deepseek-v4-tiny"])
@@ -133,5 +145,5 @@ def test_deepseek_v4_refuses_a_mask_that_hides_where_sequences_start():
         model = provider.provide()
         general = ~torch.ones(8, 8, dtype=torch.bool).tril()
         general[5, 2] = True  # a hole inside the causal mask: not a padding mask
-        with pytest.raises(ValueError, match="not a padding mask of one run of tokens per row"):
+        with pytest.raises(ValueError, match="this attention_mask is not causal over runs of consecutive tokens"):
             model(torch.zeros(1, 8, dtype=torch.long), None, general.view(1, 1, 8, 8))
