@@ -12,6 +12,13 @@ returned per token, unweighted, as GPTModel returns it). `attention_mask`, `posi
 `packed_seq_params` describe the batch (`modelzoo.sequences`); under context parallelism `input_ids`,
 `position_ids` and `labels` are this rank's share of the rows (`modelzoo.context_parallel`). What a model cannot honour (a KV-cache
 inference context, extra kwargs for Megatron's own blocks) is refused by name with the reason.
+
+Megatron pads the vocabulary to a multiple of lcm(128, tp) (`VOCAB_PADDING_MULTIPLE`). Trainers take their
+log-softmax or cross entropy over every column of the vocab-parallel logits (SkyRL's
+`from_parallel_logits_to_logprobs`, slime's `fused_vocab_parallel_cross_entropy`), so the padded columns get
+`PADDED_VOCAB_LOGIT` in every output: exp of it underflows to exactly 0 next to any real logit, their
+probability is 0 in fp32 and bf16 alike, and their gradient is 0, so the padded rows of the output layer
+never train (they are zeros from the checkpoint, and the export drops them).
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from torch import Tensor
 
 from modelzoo.logprobs import vocab_parallel_logprobs
 from modelzoo.sequences import TokenLayout
+
+# Megatron's value for a masked attention score: exp(-1e4 - m) is exactly 0 in fp32 (and bf16, fp16) for any
+# real logit m above -9900, so a softmax over the padded columns equals one over the real vocabulary
+PADDED_VOCAB_LOGIT = -10000.0
 
 
 def refuse_unsupported(model_name: str, inference_context=None, inference_params=None, extra_block_kwargs=None,
@@ -34,6 +45,24 @@ def refuse_unsupported(model_name: str, inference_context=None, inference_params
     if output_processor is not None:
         raise ValueError(f"{model_name}: output_processor is not supported: pass labels for the per-token loss, "
                          f"or take the logits")
+
+
+def refuse_mtp_training(model_name: str, mtp_kwargs: dict | None) -> None:
+    """slime / miles ask for MTP training with `mtp_kwargs={"mtp_labels": ...}`: a model without MTP layers says so."""
+    if mtp_kwargs and mtp_kwargs.get("mtp_labels") is not None:
+        raise ValueError(f"{model_name} has no MTP layers: mtp_kwargs={{'mtp_labels': ...}} asks for MTP training "
+                         f"(turn it off in the trainer, e.g. slime's --enable-mtp-training)")
+
+
+class GPTModelSurface:
+    """What trainers read of a GPTModel beyond its call, for models that are not GPTModels (their own modules)."""
+
+    def build_schedule_plan(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__}.build_schedule_plan: Megatron's combined 1F1B schedule (the expert all-to-all "
+            f"overlapped with another micro-batch's compute) splits GPTModel's own layers into sub-modules, which "
+            f"this model does not have; run without overlap_moe_expert_parallel_comm (slime: "
+            f"--overlap-moe-expert-parallel-comm off)")
 
 
 def rotary_per_token(rotary_pos_emb, layout: TokenLayout) -> Tensor:
@@ -52,6 +81,7 @@ def language_model_output(logits: Tensor, labels: Tensor | None, vocab_size: int
     """Vocab-parallel logits [b, s, V_padded / tp] -> what GPTModel returns: the logits (gathered over the
     tensor-parallel group when `runtime_gather_output`), or with `labels` the per-token loss [b, s], fp32,
     over the real vocabulary (the padded rows of Megatron's vocabulary take no probability)."""
+    logits = mask_padded_vocabulary(logits, vocab_size)
     if labels is not None:
         if labels.shape != logits.shape[:-1]:
             raise ValueError(f"labels must be [batch, seq] = {list(logits.shape[:-1])}, got {list(labels.shape)}")
@@ -60,6 +90,20 @@ def language_model_output(logits: Tensor, labels: Tensor | None, vocab_size: int
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         return gather_from_tensor_model_parallel_region(logits)
+    return logits
+
+
+def mask_padded_vocabulary(logits: Tensor, vocab_size: int) -> Tensor:
+    """This rank's vocabulary shard of the logits [..., V_padded / tp] with `PADDED_VOCAB_LOGIT` in the columns
+    past the real vocabulary, in place (only the padded columns are written; their gradient becomes 0)."""
+    from megatron.core import parallel_state
+
+    rank = 0
+    if parallel_state.model_parallel_is_initialized():
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    real_columns = max(0, min(logits.shape[-1], vocab_size - rank * logits.shape[-1]))
+    if real_columns < logits.shape[-1]:
+        logits[..., real_columns:] = PADDED_VOCAB_LOGIT
     return logits
 
 

@@ -83,6 +83,8 @@ class ModelProvider:
     copies_kv_heads: ClassVar[bool] = False
     # whether its attention runs context-parallel (queries of this rank over every rank's keys: modelzoo.attention)
     supports_context_parallel: ClassVar[bool] = False
+    # the weight names inference engines load (vLLM, SGLang): `modelzoo.sync.WeightSync`'s default naming
+    engine_naming: ClassVar[str] = "hf"
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):

@@ -52,16 +52,19 @@ class WeightSync:
     the engine call, a `break`) leaves the count where it was, so the retry carries the same version.
     """
 
-    def __init__(self, provider: ModelProvider, chunk_bytes: int, naming: str = "hf", lora: str = "none"):
+    def __init__(self, provider: ModelProvider, chunk_bytes: int, naming: str | None = None, lora: str = "none"):
         if lora not in LORA_MODES:
             raise ValueError(f"lora={lora!r} is not one of {LORA_MODES}")
-        if lora == "adapter" and naming != "hf":
-            raise ValueError(f"lora='adapter' sends PEFT tensors, named after the HF modules: naming={naming!r} "
-                             "does not apply")
+        if lora == "adapter" and naming is not None:
+            raise ValueError(f"lora='adapter' sends PEFT tensors named after the engine's modules (the checkpoint's "
+                             f"module names, `modelzoo.lora.save_adapter(naming='release')`): naming={naming!r} does "
+                             f"not apply")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
         self.provider = provider
         self.chunk_bytes = chunk_bytes
+        # the adapter's groups are the fused modules of the weights' "hf" names, which the release names keep
+        naming = naming or ("hf" if lora == "adapter" else provider.engine_naming)
         self.naming = engine_naming(provider, naming)
         self.lora = lora
         self.version = 0
@@ -96,7 +99,7 @@ class WeightSync:
         return lora.adapter_hf_weights(model, self.provider, naming="release"), index, config
 
 
-def iter_weight_chunks(model: torch.nn.Module, provider: ModelProvider, chunk_bytes: int, naming: str = "hf",
+def iter_weight_chunks(model: torch.nn.Module, provider: ModelProvider, chunk_bytes: int, naming: str | None = None,
                        lora: str = "none") -> Iterator[WeightChunk]:
     """One sync, version 1. A trainer that syncs every step keeps one `WeightSync` instead."""
     return WeightSync(provider, chunk_bytes, naming, lora).chunks(model)

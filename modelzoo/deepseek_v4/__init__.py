@@ -56,6 +56,7 @@ class DeepseekV4Provider(ModelProvider):
     hf_architectures = ("DeepseekV4ForCausalLM",)
     has_experts = True
     supports_context_parallel = True
+    engine_naming = "native"  # vLLM and SGLang load V4 by its release names (hc_head, attn.norm, ... included)
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False,
@@ -99,7 +100,11 @@ class DeepseekV4Provider(ModelProvider):
         v4_config.check_parallel(self.hf_config, tp, ep)
 
     def transformer_config_fields(self) -> dict:
-        return v4_config.transformer_config_fields(self.hf_config)
+        # what trainers read of the MTP: slime asserts mtp_num_layers before MTP training, Megatron's schedules scale
+        # the MTP loss by it and finalize_model_grads all-reduces the last stage's embedding for it
+        mtp_layers = self.hf_config.num_nextn_predict_layers if self.build_mtp else 0
+        return v4_config.transformer_config_fields(self.hf_config) | dict(
+            mtp_num_layers=mtp_layers or None, mtp_loss_scaling_factor=self.mtp_loss_scale)
 
     def build_model(self, config):
         from modelzoo.deepseek_v4.model.model import DeepseekV4Model

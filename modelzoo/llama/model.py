@@ -39,7 +39,7 @@ def llama_block_spec(config, attention: str, num_kv_heads: int) -> TransformerBl
                                       layer_norm=sequence_parallel.rms_norm)
 
 
-class LlamaGPTModel(GPTModel):
+class LlamaGPTModel(gpt_call.GPTModelSurface, GPTModel):
     """GPTModel whose forward reads the batch as modelzoo's models do (see modelzoo.gpt_call)."""
 
     vocab_size: int  # the real vocabulary (the output layer's rows past it are padding)
@@ -47,8 +47,9 @@ class LlamaGPTModel(GPTModel):
     def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output=None,
                 *, inference_params=None, loss_mask=None, padding_mask=None, output_processor=None,
-                output_processor_context=None):
+                output_processor_context=None, mtp_kwargs=None):
         gpt_call.refuse_unsupported("Llama", inference_context, inference_params, extra_block_kwargs, output_processor)
+        gpt_call.refuse_mtp_training("Llama", mtp_kwargs)
         if decoder_input is None and not self.pre_process:
             decoder_input = self.decoder.input_tensor  # a later pipeline stage: the previous stage's output
         layout = gpt_call.input_layout("Llama", input_ids, decoder_input, position_ids, attention_mask,

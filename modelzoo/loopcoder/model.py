@@ -198,10 +198,11 @@ class LoopCoderDecoder(MegatronModule):
         return self.final_layernorm(hidden)
 
 
-class LoopCoderModel(MegatronModule):
+class LoopCoderModel(gpt_call.GPTModelSurface, MegatronModule):
     """Embedding -> LoopCoderDecoder (run `loop_num` times) -> vocab-parallel output layer."""
 
     model_type = ModelType.encoder_or_decoder  # what Megatron's schedules ask of a model
+    pre_process = post_process = True  # one pipeline stage: it embeds and holds the head (GPTModel's flags)
 
     def __init__(self, config, vocab_size: int, padded_vocab_size: int, max_sequence_length: int, rope_theta: float,
                  loop_num: int, loop_window_size: int, num_kv_heads: int, attention_impl: str = "exact",
@@ -223,6 +224,10 @@ class LoopCoderModel(MegatronModule):
             # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
             self.embedding.word_embeddings.weight.zero_out_wgrad = True
 
+    def shared_embedding_or_output_weight(self) -> Tensor:
+        """The word embedding (GPTModel's answer on a first stage; the output layer's weight when tied)."""
+        return self.embedding.word_embeddings.weight
+
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's schedules hand each pipeline stage its input; LoopCoder is one stage, whose input is None."""
         tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
@@ -232,10 +237,11 @@ class LoopCoderModel(MegatronModule):
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 decoder_input: Tensor | None = None, labels: Tensor | None = None, inference_context=None,
                 packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output: bool | None = None, *,
-                inference_params=None, loss_mask=None, padding_mask=None) -> Tensor:
+                inference_params=None, loss_mask=None, padding_mask=None, mtp_kwargs=None) -> Tensor:
         """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [batch, seq, vocab / tp],
         or with `labels` the per-token loss [batch, seq]."""
         gpt_call.refuse_unsupported("LoopCoder", inference_context, inference_params, extra_block_kwargs)
+        gpt_call.refuse_mtp_training("LoopCoder", mtp_kwargs)
         layout = gpt_call.input_layout("LoopCoder", input_ids, decoder_input, position_ids, attention_mask,
                                        packed_seq_params, self.max_sequence_length, self.config)
         hidden = decoder_input if decoder_input is not None else self.embedding(input_ids, None)  # [seq, batch, hidden]

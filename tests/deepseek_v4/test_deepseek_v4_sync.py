@@ -188,9 +188,12 @@ def test_layers_without_a_compressor_or_an_indexer_sync_without_error(tiny):
 
 def test_hf_naming_is_the_exported_names_and_native_the_release_names(tiny):
     provider, model, reference = tiny
-    hf_names = [name for chunk in WeightSync(provider, 1 << 30).chunks(model) for name, _ in chunk.tensors]
+    hf_names = [name for chunk in WeightSync(provider, 1 << 30, naming="hf").chunks(model) for name, _ in chunk.tensors]
     assert sorted(hf_names) == sorted(reference)
     native = [to_native(name) for name in reference]
+    # engines load V4 by its release names: the default
+    default = [name for chunk in WeightSync(provider, 1 << 30).chunks(model) for name, _ in chunk.tensors]
+    assert sorted(default) == sorted(native)
     assert len(set(native)) == len(native)
     assert {"embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale",
             "layers.0.attn.kv_norm.weight", "layers.1.attn.compressor.norm.weight"} <= set(native)

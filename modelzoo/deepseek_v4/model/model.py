@@ -73,7 +73,7 @@ class DeepseekV4DecoderLayer(nn.Module):
                                                   recompute_core="core_attn" in recompute)
         self.ffn_hc = per_token(hyper_connection(config, args), config)
         self.pre_mlp_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
-        self.mlp = DeepseekV4MoE(whole_sequence, args, mlp_type)
+        self.mlp = DeepseekV4MoE(whole_sequence, args, mlp_type, self.sequence_parallel)
         self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
 
     def _attention_input(self, streams: torch.Tensor):
@@ -124,6 +124,7 @@ class DeepseekV4Decoder(nn.Module):
         for number in range(offset, offset + get_num_layers_to_build(config)):
             layer = DeepseekV4DecoderLayer(config, args, *kinds[number], attention, recompute)
             layer.layer_number = number + 1
+            layer.mlp.router.set_layer_number(layer.layer_number)
             self.layers.append(layer)
         if post_process:
             self.hc_head = per_token(HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps,
@@ -147,7 +148,7 @@ class DeepseekV4Decoder(nn.Module):
         return streams
 
 
-class DeepseekV4Model(MegatronModule):
+class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
     """One pipeline stage of DeepSeek-V4 (the whole model at one stage), placed as GPTModel places its pieces: the
     first stage (`pre_process`) embeds, the last (`post_process`) holds the head and the MTP layers. Between stages
     travel the hyper-connection streams [B, S, hc_mult, H], flattened to [S * hc_mult, B, H], the
@@ -166,12 +167,16 @@ class DeepseekV4Model(MegatronModule):
 
         self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
         self.pre_process, self.post_process = pre_process, post_process
+        # GPTModel's attributes, which trainers read (vocab_size: the real vocabulary, as modelzoo's other models)
+        self.vocab_size, self.max_sequence_length = args.vocab_size, args.max_position_embeddings
+        self.share_embeddings_and_output_weights = args.tie_word_embeddings
         self.sequence_parallel = sequence_parallel.enabled(config)
         num_mtp_layers = args.num_mtp_layers if build_mtp else 0
-        # what finalize_model_grads reads: the embedding weight is also used on the last stage
-        self.share_embeddings_and_output_weights = args.tie_word_embeddings or bool(num_mtp_layers)
+        # the MTP layers and a tied head read the embedding on the last stage; finalize_model_grads all-reduces it
+        # between the stages when share_embeddings_and_output_weights or config.mtp_num_layers says so
+        self.last_stage_embeds = args.tie_word_embeddings or bool(num_mtp_layers)
         self.input_tensor = None
-        if pre_process or (post_process and self.share_embeddings_and_output_weights):
+        if pre_process or (post_process and self.last_stage_embeds):
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(
                 padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
@@ -188,7 +193,7 @@ class DeepseekV4Model(MegatronModule):
             # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
             # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
             self.embedding.word_embeddings.weight.zero_out_wgrad = True
-        if config.pipeline_model_parallel_size > 1 and self.share_embeddings_and_output_weights:
+        if config.pipeline_model_parallel_size > 1 and self.last_stage_embeds:
             self._share_embedding_across_stages()
         # The language-model loss reaches neither the indexers (a top-k of indices: DeepSeek trains them with a
         # loss of their own, not implemented here) nor the MTP layers unless their loss is on. Frozen, they are
@@ -311,13 +316,18 @@ class DeepseekV4Model(MegatronModule):
         """The first layer's residual streams: the embeddings copied into hc_mult streams [B, S, N, H]."""
         return self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
 
-    def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm) -> torch.Tensor:
+    def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm,
+               detach_head: bool = False) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, the padded columns masked (modelzoo.gpt_call);
+        `detach_head`: no gradient reaches the output layer's (or tied embedding's) weight."""
         weight = self.embedding.word_embeddings.weight if self.args.tie_word_embeddings else None
+        if detach_head:
+            weight = (self.output_layer.weight if weight is None else weight).detach()
         hidden = final_layernorm(hc_head(streams))
         if self.sequence_parallel:
             hidden = sequence_parallel.gather_sequence(hidden, dim=1)
         logits, _ = self.output_layer(hidden, weight=weight)
-        return logits
+        return gpt_call.mask_padded_vocabulary(logits, self.args.vocab_size)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
@@ -338,15 +348,21 @@ class DeepseekV4Model(MegatronModule):
                 labels: torch.Tensor | None = None, inference_context=None, packed_seq_params=None,
                 extra_block_kwargs=None, runtime_gather_output: bool | None = None, *, inference_params=None,
                 loss_mask: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                return_mtp: bool = False):
+                mtp_kwargs: dict | None = None, return_mtp: bool = False):
         """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [B, S, V_padded / tp],
         or with `labels` the per-token loss [B, S] (plus, through the backward, `mtp_loss_scale` x the MTP loss,
         as Megatron's GPTModel adds it). `padding_mask` [B, S] (True = padding) keeps tokens from the experts.
+
+        `mtp_kwargs={"mtp_labels": tokens}` (slime's and miles' MTP training; labels may be None and the logits come
+        out): `mtp_loss_scale` x the MTP loss against `tokens` [B, S] (the input ids: depth k's target at i is
+        tokens[i + k + 1]) joins the backward, as in slime's Megatron. As there, it trains the MTP layers alone: they
+        read the main model's streams, the embedding and the output layer detached.
 
         With `return_mtp=True`: (logits, [logits of MTP depth k for k = 1..D]); depth k at position
         i predicts token i + k + 1 of its sequence (its last k positions have no target).
         """
         gpt_call.refuse_unsupported("DeepSeek-V4", inference_context, inference_params, extra_block_kwargs)
+        mtp_labels = self.mtp_labels(mtp_kwargs, input_ids)
         layout = self.token_layout(input_ids, decoder_input, position_ids, attention_mask, packed_seq_params)
         unrouted = unrouted_tokens(layout, padding_mask)
         if input_ids is None and any(kind == HASH_MOE for kind in self.args.mlp_layer_types):
@@ -368,20 +384,41 @@ class DeepseekV4Model(MegatronModule):
         if not self.post_process:
             return self.stage_output(streams)
         logits = self.logits(streams, self.decoder.hc_head, self.decoder.final_layernorm)
-        if return_mtp or (labels is not None and self.mtp_loss_scale):
+        mtp_trains = mtp_labels is not None or (labels is not None and bool(self.mtp_loss_scale))
+        if return_mtp or mtp_trains:
             if not self.mtp.layers:
                 raise ValueError("this DeepSeek-V4 model was built without MTP layers (num_nextn_predict_layers=0 "
                                  "or build_mtp=False)")
-            mtp_logits = self.mtp(self, streams, input_ids, position_ids, layout, unrouted)
+            mtp_logits = self.mtp(self, streams, input_ids, position_ids, layout, unrouted,
+                                  isolated=mtp_labels is not None)
         output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
-        if labels is not None and self.mtp_loss_scale:
+        if mtp_trains:
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
             from modelzoo.deepseek_v4.model.mtp import mtp_loss
 
+            targets = input_ids if mtp_labels is None else mtp_labels
             output = MTPLossAutoScaler.apply(output, self.mtp_loss_scale * mtp_loss(
-                mtp_logits, input_ids, self.args.vocab_size, layout, loss_mask))
+                mtp_logits, targets, self.args.vocab_size, layout, loss_mask))
         return (output, mtp_logits) if return_mtp else output
+
+    def mtp_labels(self, mtp_kwargs: dict | None, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """`mtp_kwargs["mtp_labels"]`, checked: MTP training needs MTP layers that train and the tokens' shape."""
+        labels = (mtp_kwargs or {}).get("mtp_labels")
+        if labels is None or not self.post_process:
+            return None
+        if not (self.args.num_mtp_layers and hasattr(self, "mtp") and self.mtp.layers):
+            raise ValueError("DeepSeek-V4: mtp_kwargs={'mtp_labels': ...} asks for MTP training, but this model has "
+                             "no MTP layers (num_nextn_predict_layers=0, build_mtp=False, or a checkpoint without "
+                             "mtp.* tensors)")
+        if not self.mtp_loss_scale:
+            raise ValueError("DeepSeek-V4: mtp_kwargs={'mtp_labels': ...} asks for MTP training, but mtp_loss_scale "
+                             "is 0, so the MTP layers are frozen: build the provider with mtp_loss_scale > 0 "
+                             "(Megatron's mtp_loss_scaling_factor)")
+        if input_ids is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"DeepSeek-V4: mtp_labels must be the input ids' shape {list(input_ids.shape)} (the "
+                             f"tokens, as slime passes them), got {list(labels.shape)}")
+        return labels
 
     def token_layout(self, input_ids, decoder_input, position_ids, attention_mask, packed_seq_params) -> TokenLayout:
         """The batch's layout; a general attention mask cannot say where DeepSeek-V4's compressor windows start."""
@@ -389,8 +426,9 @@ class DeepseekV4Model(MegatronModule):
                                        packed_seq_params, self.args.max_position_embeddings, self.config)
         if not layout.plain and not layout.whole_rows().contiguous():
             raise ValueError("DeepSeek-V4: compressed attention pools windows of each sequence's consecutive tokens; "
-                             "this attention_mask is not a padding mask of one run of tokens per row: pass a "
-                             "[batch, 1, 1, seq] padding mask (left or right padding) or packed_seq_params")
+                             "this attention_mask is not causal over runs of consecutive tokens: pass a "
+                             "[batch, 1, 1, seq] padding mask, a [batch, 1, seq, seq] mask that is causal over each "
+                             "row's real tokens (left or right padding, or packed documents), or packed_seq_params")
         return layout
 
 

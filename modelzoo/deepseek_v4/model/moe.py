@@ -50,12 +50,15 @@ class Router(Decider):
     then `RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)`. Tokens are in
     Megatron's order (sequence-major for [s, b]; a packed row's tokens as they are). Hash layers replay too.
     Under context parallelism a router sees its rank's tokens, as Megatron's own router does: each rank is handed
-    its share of the ids, cut like its input ids (`context_parallel.split_for_rank`).
+    its share of the ids, cut like its input ids (`context_parallel.split_for_rank`). Under sequence parallelism
+    (`sequence_parallel`) the router runs on the whole sequence, but its RouterReplay records and replays this TP
+    rank's s / tp tokens, as Megatron's router sees them and as SkyRL and miles cut the ids; the ranks' replayed ids
+    are all-gathered.
     """
 
-    def __init__(self, config, args: DeepseekV4Args, hash_routed: bool):
+    def __init__(self, config, args: DeepseekV4Args, hash_routed: bool, sequence_parallel: bool = False):
         super().__init__()
-        self.hash_routed, self.top_k = hash_routed, args.num_experts_per_tok
+        self.hash_routed, self.top_k, self.sequence_parallel = hash_routed, args.num_experts_per_tok, sequence_parallel
         self.score_fn = SCORE_FUNCTIONS[args.scoring_func]
         self.routed_scaling_factor = args.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size, dtype=config.params_dtype))
@@ -70,6 +73,13 @@ class Router(Decider):
             from megatron.core.transformer.moe.router_replay import RouterReplay
 
             self.router_replay = RouterReplay()
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """As Megatron's TopKRouter: the layer's 1-based number, also on its RouterReplay (SkyRL maps an engine's
+        per-layer expert ids to the routers by it)."""
+        self.layer_number = layer_number
+        if self.router_replay is not None:
+            self.router_replay.layer_number = layer_number
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
                 padding: torch.Tensor | None = None):
@@ -103,19 +113,32 @@ class Router(Decider):
     def replayable_choice(self, scores: torch.Tensor, input_ids: torch.Tensor | None, batch_shape) -> torch.Tensor:
         """`choose` through Megatron's RouterReplay, whose tokens are sequence-major ([s, b]) where ours are [b, s]."""
         batch, seq = batch_shape
+        tokens, rows = batch * seq, slice(None)
+        if self.sequence_parallel:  # this TP rank's tokens: Megatron's sequence dim is the leading one
+            group = parallel_state.get_tensor_model_parallel_group()
+            share = tokens // dist.get_world_size(group)
+            rows = slice(dist.get_rank(group) * share, (dist.get_rank(group) + 1) * share)
+            tokens = share
 
         def megatron_order(ids):
             return ids.view(batch, seq, -1).transpose(0, 1).reshape(batch * seq, -1)
 
         def choose_in_megatron_order(megatron_scores, top_k, num_groups=None, group_topk=None):
-            return None, megatron_order(self.choose(scores, input_ids))
+            return None, megatron_order(self.choose(scores, input_ids))[rows]
 
-        _, indices = self.router_replay.get_replay_topk(megatron_order(scores), self.top_k,
-                                                        default_compute_topk=choose_in_megatron_order)
-        if indices.shape != (batch * seq, self.top_k):
-            raise ValueError(f"routing replay: {tuple(indices.shape)} expert ids for a layer of {batch * seq} tokens "
-                             f"and top-{self.top_k} routing (want [{batch * seq}, {self.top_k}])")
-        return indices.long().view(seq, batch, -1).transpose(0, 1).reshape(batch * seq, -1)
+        # positional, as Megatron's TopKRouter calls it: trainers (slime, miles) replace get_replay_topk with
+        # functions of their own whose last parameter has another name
+        _, indices = self.router_replay.get_replay_topk(megatron_order(scores)[rows], self.top_k, None, None,
+                                                        choose_in_megatron_order)
+        if indices.shape != (tokens, self.top_k):
+            raise ValueError(f"routing replay: {tuple(indices.shape)} expert ids for a layer of {tokens} tokens "
+                             f"and top-{self.top_k} routing (want [{tokens}, {self.top_k}])")
+        indices = indices.long()
+        if self.sequence_parallel:
+            every = indices.new_empty((batch * seq, self.top_k))
+            dist.all_gather_into_tensor(every, indices.contiguous(), group=group)
+            indices = every
+        return indices.view(seq, batch, -1).transpose(0, 1).reshape(batch * seq, -1)
 
 
 # --- token exchange between ranks -------------------------------------------------------------------
@@ -476,9 +499,10 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class DeepseekV4MoE(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, mlp_type: str):
+    def __init__(self, config, args: DeepseekV4Args, mlp_type: str, sequence_parallel: bool = False):
+        """`config`: for the whole sequence (the experts run on it); `sequence_parallel`: whether the model's."""
         super().__init__()
-        self.router = Router(config, args, hash_routed=mlp_type == HASH_MOE)
+        self.router = Router(config, args, hash_routed=mlp_type == HASH_MOE, sequence_parallel=sequence_parallel)
         self.experts = RoutedExperts(config, args)
         self.shared_experts = SharedExpert(config, args)
 

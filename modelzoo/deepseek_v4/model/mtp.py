@@ -80,14 +80,22 @@ class DeepseekV4MTP(nn.Module):
         super().__init__()
         num_layers = args.num_mtp_layers if num_layers is None else num_layers
         self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(num_layers))
+        for number, layer in enumerate(self.layers, start=1):  # Megatron numbers the MTP layers' own layers 1, 2, ...
+            layer.block.mlp.router.set_layer_number(number)
 
     def forward(self, model, streams, input_ids, position_ids, layout: TokenLayout,
-                unrouted: torch.Tensor | None = None) -> list[torch.Tensor]:
+                unrouted: torch.Tensor | None = None, isolated: bool = False) -> list[torch.Tensor]:
+        """Each depth's logits; `isolated`: the main model's streams, the embedding and the output layer are read
+        detached, so a loss on these logits trains the MTP layers alone."""
+        if isolated:
+            streams = streams.detach()
         all_logits = []
         for k, layer in enumerate(self.layers, start=1):
             shifted, _ = shifted_in_sequences(input_ids, layout, k)
-            streams = layer(streams, model.embed(shifted), position_ids, shifted, layout, unrouted)
-            all_logits.append(model.logits(streams, layer.hc_head, layer.final_layernorm))
+            embeddings = model.embed(shifted)
+            streams = layer(streams, embeddings.detach() if isolated else embeddings, position_ids, shifted, layout,
+                            unrouted)
+            all_logits.append(model.logits(streams, layer.hc_head, layer.final_layernorm, detach_head=isolated))
         return all_logits
 
 
