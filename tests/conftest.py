@@ -38,6 +38,20 @@ def write_llama_variant(folder: Path, make_tiny, **changes) -> Path:
     return folder
 
 
+def tiny_with_vocab(architecture: str, folder: Path, vocab_size: int) -> Path:
+    """A tiny checkpoint whose vocabulary is `vocab_size` (not a multiple of 128: Megatron pads it), written by the
+    shipped generator; DeepSeek-V4's tiny one has 250 tokens already."""
+    if architecture == "deepseek_v4":
+        assert vocab_size == 250, "deepseek-v4-tiny has 250 tokens"
+        return TINY / "deepseek-v4-tiny"
+    make_tiny = load_make_tiny()
+    base, shapes = {"llama": (make_tiny.LLAMA_TINY, make_tiny.llama_shapes),
+                    "loopcoder": (make_tiny.LOOPCODER_TINY, make_tiny.loopcoder_shapes)}[architecture]
+    config = {**base, "vocab_size": vocab_size}
+    make_tiny.write_checkpoint(folder / architecture, config, shapes(config))
+    return folder / architecture
+
+
 @pytest.fixture
 def run_in_triton_interpreter():
     """`run(test_file)`: the file's `__main__` in a subprocess under Triton's CPU interpreter (TRITON_INTERPRET=1,

@@ -91,6 +91,7 @@ def _scenario(rank: int, tp: int) -> dict:
         results["changed-by-merge"] = sorted(name for name in merged if not torch.equal(merged[name], export[name]))
         results["adapter-chunks"] = [[name for name, _ in chunk.tensors]
                                      for chunk in WeightSync(provider, 1, lora="adapter").chunks(model)]
+        results["release-adapter"] = [name for name, _ in lora.adapter_hf_weights(model, provider, naming="release")]
         return results
 
 
@@ -147,6 +148,8 @@ def test_adapter_tensors_of_a_pair_travel_together(synced):
         pair = [f"{prefix}.{n}.attn.{leaf}.lora_{half}.weight" for leaf in ("wq_a", "wkv") for half in "AB"]
         assert pair in chunks, n
     assert sum(map(len, chunks)) == 4 * 7 * 2
+    # the engine's modules: the adapter save_adapter(naming="release") writes, not transformers' module names
+    assert sorted(name for chunk in chunks for name in chunk) == sorted(synced[0]["release-adapter"])
 
 
 # --- names and group edge cases (TP 1, no process group) ----------------------------------------------

@@ -30,7 +30,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, load_make_tiny
+from conftest import tiny_with_vocab
 
 pytest.importorskip("skyrl", reason="SkyRL is installed by .ci/setup (skyrl==0.4.0 --no-deps)")
 
@@ -51,19 +51,6 @@ REPLAY_MOVES = 1e-3
 def samples(lengths: list[int], seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-def checkpoint(architecture: str, folder) -> str:
-    """The tiny checkpoint with a vocabulary of 250 (DeepSeek-V4's has it; Llama's and LoopCoder's are rewritten by
-    the shipped generator with vocab_size 250)."""
-    if architecture == "deepseek_v4":
-        return str(TINY / "deepseek-v4-tiny")
-    make_tiny = load_make_tiny()
-    base, shapes = ((make_tiny.LLAMA_TINY, make_tiny.llama_shapes) if architecture == "llama"
-                    else (make_tiny.LOOPCODER_TINY, make_tiny.loopcoder_shapes))
-    config = {**base, "vocab_size": VOCAB}
-    make_tiny.write_checkpoint(folder / architecture, config, shapes(config))
-    return str(folder / architecture)
 
 
 def hf_logprobs(hf_dir: str, token_lists: list[list[int]], multiple: int = 1) -> list[torch.Tensor]:
@@ -324,7 +311,7 @@ def _all_cases(rank: int, layout: str, checkpoints: dict, scratch: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("vocab250")
-    return {architecture: checkpoint(architecture, folder) for architecture in ARCHITECTURES}
+    return {architecture: str(tiny_with_vocab(architecture, folder, VOCAB)) for architecture in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
