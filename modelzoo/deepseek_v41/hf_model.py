@@ -232,6 +232,15 @@ class DeepseekV41Indexer(nn.Module):
         return (scores * weights[..., None]).sum(dim=2)
 
 
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """A bool mask of the k best finite entries along the last dim. Ties go to the lower index (a stable sort):
+    scores are often exactly equal (every head's relu at 0), and torch.topk would then pick by the tensor's
+    width, so a query's choice would change when the row grows."""
+    order = scores.sort(dim=-1, descending=True, stable=True)
+    chosen, finite = order.indices[..., :k], order.values[..., :k] > float("-inf")
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, finite)
+
+
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int):
     """First level of the two-level top-k: the `topk_blocks` best blocks of `block_size` latents per query
     (block score = its best latent). The block of the query's newest visible latent is always kept: it is partly
@@ -243,8 +252,7 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     newest = (visible - 1) // block_size  # -1 (no block) while nothing is visible
     block_ids = torch.arange(block_scores.shape[-1], device=scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest, float("inf"))
-    top = block_scores.topk(min(topk_blocks, block_scores.shape[-1]), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    keep = top_k_mask(block_scores, topk_blocks)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
@@ -347,9 +355,7 @@ class DeepseekV41Attention(nn.Module):
                                                            self.candidate_block_size)
             elif self.uses_candidates and state.candidates is not None:
                 scores = scores.masked_fill(~state.candidates, float("-inf"))
-            top = scores.topk(min(self.index_topk, scores.shape[-1]), dim=-1)
-            state.selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(
-                -1, top.indices, top.values > float("-inf"))
+            state.selected = top_k_mask(scores, self.index_topk)
         return state.kv
 
 
