@@ -171,7 +171,8 @@ def _block_shapes(c: dict, prefix: str, layer: int, experts: int) -> dict[str, t
         f"{prefix}.ffn.gate.bias_vl": (experts,),
     }
     for expert in [*(f"experts.{e}" for e in range(experts)), "shared_experts"]:
-        shapes |= {f"{prefix}.ffn.{expert}.w1.weight": (inter, hidden), f"{prefix}.ffn.{expert}.w3.weight": (inter, hidden),
+        shapes |= {f"{prefix}.ffn.{expert}.w1.weight": (inter, hidden),
+                   f"{prefix}.ffn.{expert}.w3.weight": (inter, hidden),
                    f"{prefix}.ffn.{expert}.w2.weight": (hidden, inter)}
     if layer < c["num_hidden_layers"]:
         ratio = c["compress_ratios"][layer]
@@ -183,7 +184,8 @@ def _block_shapes(c: dict, prefix: str, layer: int, experts: int) -> dict[str, t
             shapes |= {f"{prefix}.attn.indexer.wk.weight": (c["index_head_dim"], head_dim),
                        f"{prefix}.attn.indexer.k_norm.weight": (c["index_head_dim"],)}
         if layer in c["index_source_layer_ids"]:
-            shapes |= {f"{prefix}.attn.indexer.wq_b.weight": (c["index_n_heads"] * c["index_head_dim"], c["q_lora_rank"]),
+            index_width = c["index_n_heads"] * c["index_head_dim"]
+            shapes |= {f"{prefix}.attn.indexer.wq_b.weight": (index_width, c["q_lora_rank"]),
                        f"{prefix}.attn.indexer.weights_proj.weight": (c["index_n_heads"], hidden)}
         if layer in c["engram_layer_ids"]:
             rows = c["engram_num_embeddings"][c["engram_layer_ids"].index(layer)]

@@ -518,7 +518,8 @@ class DeepseekV41Config(PretrainedConfig):
         super().__post_init__(**kwargs)
         name = type(self).__name__
         if not isinstance(self.text_config, DeepseekV41TextConfig):
-            _refuse(name, "text_config", type(self.text_config).__name__, "must be a DeepseekV41TextConfig or its dict.")
+            _refuse(name, "text_config", type(self.text_config).__name__,
+                    "must be a DeepseekV41TextConfig or its dict.")
         _check_int(name, self, "image_token_id", 0, "image spans carry this id",
                    self.text_config.vocab_size - 1)
         if self.tie_word_embeddings:

@@ -458,7 +458,7 @@ class DeepseekV41NgramHasher(nn.Module):
     """Hash ids [B, S, engram layers, (max_ngram - 1) * heads] of the 2..N-grams ending at each position, over the
     normalised vocabulary. Token ids are mapped to their class, multiplied by a per-(layer, look-back) odd
     multiplier and XOR-ed one look-back at a time; each n-gram size is taken modulo its heads' primes and shifted
-    to the head's row range. Look-back stops at the row start and at dead tokens (padding the pad class)."""
+    to the head's row range. Slots before the row start or at and beyond a dead token read the pad token's class."""
 
     DEAD = -1
 

@@ -122,7 +122,8 @@ def test_frozen_by_default_are_dspark_engram_tables_router_biases_and_indexers(m
                 or ".attn.indexer." in name), name
     assert "mtp.0.main_proj.weight" in frozen and "model.layers.4.engram.embed.weight" in frozen
     assert "model.layers.8.attn.indexer.wq_b.weight" in frozen and "model.layers.0.ffn.gate.bias_vl" in frozen
-    assert "model.layers.4.engram.wkv.weight" not in frozen and "model.layers.6.attn.compressor.wkv.weight" not in frozen
+    assert "model.layers.4.engram.wkv.weight" not in frozen
+    assert "model.layers.6.attn.compressor.wkv.weight" not in frozen
 
 
 def test_right_padded_rows_give_the_unpadded_logits_and_left_padding_is_refused(model):
