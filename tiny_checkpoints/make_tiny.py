@@ -149,6 +149,11 @@ def main(out_dir: Path = HERE) -> None:
     for name, write in CHECKPOINTS.items():
         write(out_dir / name)
         print(f"wrote {out_dir / name}")
+    # DeepSeek-V4.1's generator is the module beside this script (tests/deepseek_v41 checks its bytes)
+    sys.path.insert(0, str(HERE))
+    from deepseek_v41_tiny import write_deepseek_v41_tiny
+    write_deepseek_v41_tiny(out_dir / "deepseek-v41-tiny")
+    print(f"wrote {out_dir / 'deepseek-v41-tiny'}")
 
 
 if __name__ == "__main__":
