@@ -10,7 +10,7 @@ Tolerances:
   (vLLM's CPU kernels against torch's), which moves log-probs of about -5.5 by a few 1e-7 (measured at most 1.5e-6).
 - SPLIT_GROUP_MIN_GAP 0.1: a group split across calls leaves the engine's layer with unloaded (uninitialised) values
   (measured 0.5 to 1.5 off, or NaN); 10^4 times FP32_TOLERANCE: the comparison that passes the real sync fails it.
-- STALE_MIN_GAP 1e-3: a training step moves the log-probs by more than this (measured 0.03 and up), so an engine
+- STALE_MIN_GAP 1e-3: a training step moves the log-probs by more than this (measured 0.1 and up), so an engine
   that kept the previous weights fails the 1e-5 comparison by a wide margin.
 - BF16_GAP_BOUND 0.05: bf16 keeps 8 significant bits (relative rounding 2^-9 per value) and both sides round
   activations at different points; measured at most 0.015 on log-probs of about -5.5 (docs/weight_sync.md).
