@@ -6,16 +6,16 @@ It runs in .venv-vllm (made by .ci/setup_vllm) and imports only vLLM, torch, tra
 and the standard library: the tests in .venv drive it through `engine_client.Engine`. One reply per request, one
 line each, on stdout; vLLM's own output goes to stderr.
 
-    {"op": "state"}          -> {"dtype": "torch.float32", "version": int | null, "syncs": [...], "names": [...]}
-    {"op": "logprobs", "prompts": [[id, ...], ...]}    -> {"logprobs": [[log p(t[i+1] | t[:i+1]), ...], ...]}
+    {"op": "state"}                                  -> {"dtype": "torch.float32", "version": int | null, "names": [...]}
+    {"op": "logprobs", "prompts": [[id, ...], ...]}  -> {"logprobs": [[log p(t[i+1] | t[:i+1]), ...], ...]}
     {"op": "load", "file": path, "names": [...], "version": v, "index": i, "is_last": b}
-                                                       -> {"loaded": number of tensors}
-    {"op": "restore"}                                  -> {} (the checkpoint's weights, read from disk again)
-    a request that fails                               -> {"error": "one sentence"}
+                                                     -> {"loaded": number of tensors}
+    {"op": "restore"}                                -> {} (the checkpoint's weights, read from disk again)
+    a request that fails                             -> {"error": "one sentence"}
 
 `load` is one `load_weights` call of a weight sync: the tensors of `file` (safetensors), in the order of `names`,
 go to the worker's `reload_weights` in place. The engine keeps what it was told: `version` is that of the last
-sync whose last chunk it loaded, `syncs` every such version in order, `names` the tensors of the last sync.
+sync whose last chunk it loaded, `names` the tensors of the last sync.
 """
 
 from __future__ import annotations
@@ -42,16 +42,14 @@ class EngineRunner:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(checkpoint, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                       distributed_executor_backend="uni", seed=0)
+                       distributed_executor_backend="uni")
         self.prompt_logprobs = SamplingParams(max_tokens=1, prompt_logprobs=0)
         self.version: int | None = None
-        self.syncs: list[int] = []
         self.names: list[str] = []           # of the last sync, in arrival order
         self.pending: tuple[int, int] | None = None  # (version, next index) of a sync under way
 
     def state(self) -> dict:
-        return {"dtype": str(self.llm.llm_engine.model_config.dtype), "version": self.version, "syncs": self.syncs,
-                "names": self.names}
+        return {"dtype": str(self.llm.llm_engine.model_config.dtype), "version": self.version, "names": self.names}
 
     def logprobs(self, prompts: list[list[int]]) -> dict:
         if not prompts or any(len(prompt) < 2 for prompt in prompts):
@@ -79,7 +77,6 @@ class EngineRunner:
         if is_last:
             self.llm.reset_prefix_cache()  # as an RL trainer's engine does after a sync: no KV of older weights
             self.version, self.pending = version, None
-            self.syncs.append(version)
         return {"loaded": len(weights)}
 
     def restore(self) -> dict:
