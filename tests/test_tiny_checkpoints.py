@@ -19,3 +19,11 @@ def test_llama_tiny_is_small_gqa_untied(llama_tiny):
     assert config["num_key_value_heads"] < config["num_attention_heads"]
     assert config["tie_word_embeddings"] is False
     assert (llama_tiny / "model.safetensors").stat().st_size < 2 * 2**20
+
+
+def test_engine_tiny_checkpoints_fit_vllms_cpu_engine(make_tiny):
+    # vLLM's CPU attention needs head_dim >= 32; its LoopCoder takes head_dim as hidden / heads
+    for config in (make_tiny.LLAMA_ENGINE_TINY, make_tiny.LOOPCODER_ENGINE_TINY):
+        assert config["head_dim"] >= 32
+        assert config["hidden_size"] == config["num_attention_heads"] * config["head_dim"]
+        assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA, as the shipped tiny ones

@@ -30,7 +30,7 @@ ARCHITECTURES = ("llama-tiny", "loopcoder-tiny")
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "weight_sync.md"
 MEMORY_SLACK_BYTES = 0
 
-# shard name suffix -> fused parameter suffix, as the engines' stacked_params_mapping declare them
+# shard name suffix -> fused parameter suffix, as the engines' stacked_params_mapping declare them; `*` is a layer index
 LLAMA_ENGINE_FUSIONS = {
     ".self_attn.q_proj.weight": ".self_attn.qkv_proj.weight",
     ".self_attn.k_proj.weight": ".self_attn.qkv_proj.weight",
@@ -38,6 +38,13 @@ LLAMA_ENGINE_FUSIONS = {
     ".mlp.gate_proj.weight": ".mlp.gate_up_proj.weight",
     ".mlp.up_proj.weight": ".mlp.gate_up_proj.weight",
 }
+# vLLM loads a loop gate's weight and bias into one layer, and its in-place reload rebuilds that layer from one call
+LOOPCODER_ENGINE_FUSIONS = {
+    **LLAMA_ENGINE_FUSIONS,
+    ".gate_projections.*.weight": ".gate_projections.*.gate_proj",
+    ".gate_projections.*.bias": ".gate_projections.*.gate_proj",
+}
+ENGINE_FUSIONS = {"llama-tiny": LLAMA_ENGINE_FUSIONS, "loopcoder-tiny": LOOPCODER_ENGINE_FUSIONS}
 # vLLM packs the LoRA of a fused module as it packs its weight; here A and B of the whole set in one call
 LLAMA_ENGINE_LORA_FUSIONS = {
     shard.replace(".weight", f".lora_{half}.weight"): fused.replace(".weight", ".lora")
@@ -74,8 +81,9 @@ class FusingEngine:
     def fusion(self, name: str) -> tuple[str, int] | None:
         """The fused parameter `name` is a shard of, and its number of shards."""
         for shard_suffix, fused_suffix in self.fusions.items():
-            if name.endswith(shard_suffix):
-                return name.removesuffix(shard_suffix) + fused_suffix, self.shards_per_fused[fused_suffix]
+            if match := re.search(re.escape(shard_suffix).replace(r"\*", r"(\d+)") + "$", name):
+                fused = fused_suffix.replace("*", match.group(1)) if match.groups() else fused_suffix
+                return name[:match.start()] + fused, self.shards_per_fused[fused_suffix]
         return None
 
     def fused_name(self, name: str) -> str | None:
@@ -171,8 +179,9 @@ def _sync_full_weights(random_count: int) -> dict:
     for architecture in ARCHITECTURES:
         provider, model = build(TINY / architecture)
         reference = dict(provider.export_hf_weights(model))
-        for case, chunk_bytes in chunk_size_cases(reference, random_count).items():
-            engine, sizes = sync_into_engine(model, provider, chunk_bytes)
+        fusions = ENGINE_FUSIONS[architecture]
+        for case, chunk_bytes in chunk_size_cases(reference, random_count, fusions).items():
+            engine, sizes = sync_into_engine(model, provider, chunk_bytes, fusions=fusions)
             results[architecture, case] = dict(
                 chunks=engine.chunks, unequal=unequal_tensors(engine.weights, reference),
                 oversized=engine.oversized_chunks_that_are_not_one_unit(sizes, chunk_bytes))
@@ -231,8 +240,9 @@ def test_engine_loads_every_chunk_stream_and_gets_the_export_bit_exactly(synced_
         assert {case for _, case in results} >= {"below-smallest-group", "equal-to-a-group", "above-the-model"}
     # every rank receives the same chunks (the gathers are collective)
     assert all(results == per_rank[0] for results in per_rank)
-    results, fused_name = per_rank[0], FusingEngine(LLAMA_ENGINE_FUSIONS).fused_name
+    results = per_rank[0]
     for architecture in ARCHITECTURES:
+        fused_name = FusingEngine(ENGINE_FUSIONS[architecture]).fused_name
         assert len(results[architecture, "above-the-model"]["chunks"]) == 1
         # below the smallest group a fused set shares its chunk with nothing else
         for names in results[architecture, "below-smallest-group"]["chunks"]:
@@ -264,7 +274,7 @@ def tiny_models():
 def test_engine_loads_a_stream_of_random_chunk_size(tiny_models, architecture, fraction):
     provider, model, reference = tiny_models[architecture]
     chunk_bytes = max(1, int(fraction * nbytes(list(reference.items()))))
-    engine, sizes = sync_into_engine(model, provider, chunk_bytes)
+    engine, sizes = sync_into_engine(model, provider, chunk_bytes, fusions=ENGINE_FUSIONS[architecture])
     assert unequal_tensors(engine.weights, reference) == []
     assert engine.oversized_chunks_that_are_not_one_unit(sizes, chunk_bytes) == []
 
@@ -281,7 +291,7 @@ def test_engine_fails_on_a_chunker_without_groups(tiny_models):
 
 def test_versions_count_completed_syncs_and_the_order_is_deterministic(tiny_models):
     provider, model, _ = tiny_models["loopcoder-tiny"]
-    sync, engine = WeightSync(provider, chunk_bytes=30_000), FusingEngine(LLAMA_ENGINE_FUSIONS)
+    sync, engine = WeightSync(provider, chunk_bytes=30_000), FusingEngine(LOOPCODER_ENGINE_FUSIONS)
     layouts = []
     for _ in range(3):
         for chunk in sync.chunks(model):

@@ -53,6 +53,13 @@ LOOPCODER_TINY = {
 }
 
 
+# vLLM's CPU attention needs head_dim >= 32, and its LoopCoder takes head_dim as hidden / heads: the engine tests
+# (tests/engine) run these, with hidden = heads x head_dim. Their tensors have the tiny ones' names and sizes, so they
+# hold the same values, read as 2 heads of 32
+LLAMA_ENGINE_TINY = {**LLAMA_TINY, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+LOOPCODER_ENGINE_TINY = {**LOOPCODER_TINY, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+
+
 def llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = config["head_dim"]
@@ -140,6 +147,9 @@ def _deepseek_v4_native_module():
 CHECKPOINTS = {
     "llama-tiny": lambda folder: write_checkpoint(folder, LLAMA_TINY, llama_shapes(LLAMA_TINY)),
     "loopcoder-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_TINY, loopcoder_shapes(LOOPCODER_TINY)),
+    "llama-engine-tiny": lambda folder: write_checkpoint(folder, LLAMA_ENGINE_TINY, llama_shapes(LLAMA_ENGINE_TINY)),
+    "loopcoder-engine-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_ENGINE_TINY,
+                                                             loopcoder_shapes(LOOPCODER_ENGINE_TINY)),
     "deepseek-v4-tiny": lambda folder: _deepseek_v4_tiny_module().write_deepseek_v4_tiny(folder),
     "deepseek-v4-tiny-native": lambda folder: _deepseek_v4_native_module().write_deepseek_v4_tiny_native(folder),
 }
