@@ -55,7 +55,8 @@ def refuse_mtp_training(model_name: str, mtp_kwargs: dict | None) -> None:
 
 
 class GPTModelSurface:
-    """What trainers read of a GPTModel beyond its call, for models that are not GPTModels (their own modules)."""
+    """What trainers call on a GPTModel beside its forward, refused by name where these models cannot honour it
+    (Llama's GPTModel subclass too: its layers are not Megatron's TransformerLayers)."""
 
     def build_schedule_plan(self, *args, **kwargs):
         raise NotImplementedError(
