@@ -171,7 +171,7 @@ def test_weight_sync_of_an_autobridge_model_sends_the_checkpoint():
     checkpoint = CHECKPOINTS["deepseek_v4"]
     with runtime.parallel():
         bridge, provider, model = autobridge_model(checkpoint)
-        sync = WeightSync(provider.modelzoo_provider, chunk_bytes=1 << 16)
+        sync = WeightSync(provider.modelzoo_provider, chunk_bytes=1 << 16, naming="hf")  # the checkpoint's names
         chunks = list(sync.chunks(unwrap_model(model)))
     sent = [item for chunk in chunks for item in chunk.tensors]
     expected = checkpoint_tensors(checkpoint)
