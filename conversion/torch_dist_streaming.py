@@ -61,7 +61,9 @@ import numpy
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import CheckpointError, RegionCopier, file_bytes
+from conversion import safe_pickle
+from conversion.errors import CheckpointError
+from conversion.safetensors_io import RegionCopier, file_bytes
 from conversion.transforms import RowBlocks
 
 
@@ -413,9 +415,14 @@ def streaming_load_strategy(metadata):
             if start + size > info.length:
                 raise CheckpointError(f"{where} holds {info.length} bytes, its tensor's data would end at byte "
                                       f"{start + size}")
+            # the layout as stored: the meta tensor reports a negative stride as a contiguous one
+            offset, sizes, strides = safe_pickle.stored_layout(self._slice_file(stream, info), where)
+            if tuple(sizes) != tuple(layout.size()) or any(stride < 0 for stride in strides) or offset < 0:
+                raise CheckpointError(f"{where}: its tensor of sizes {list(sizes)} has strides {list(strides)} from "
+                                      f"element {offset}: not a layout on its storage")
             data = file_bytes(stream, info.offset + start, size)
             try:
-                return data.view(layout.dtype).as_strided(layout.size(), layout.stride(), layout.storage_offset())
+                return data.view(layout.dtype).as_strided(sizes, strides, offset)
             except RuntimeError:
                 raise CheckpointError(f"{where}: its tensor lies outside its own storage") from None
 

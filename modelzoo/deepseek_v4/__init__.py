@@ -56,6 +56,9 @@ class DeepseekV4Provider(ModelProvider):
     hf_architectures = ("DeepseekV4ForCausalLM",)
     has_experts = True
     supports_context_parallel = True
+    config_bounds = v4_config.CONFIG_BOUNDS
+    weights_per_unit = v4_config.WEIGHTS_PER_UNIT
+    recorded_options = {"build_mtp": bool}
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False,
