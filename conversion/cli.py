@@ -28,6 +28,9 @@ from pathlib import Path
 # Megatron-Core announces every optional library it did not find (Transformer Engine, Apex, absl) and
 # deprecations of APIs modelzoo does not call; a CLI user acts on none of it. Errors still show.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
+# torch's distributed checkpoint announces that it loads in one process and that its API will change: the same
+warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint\..*")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint\..*")
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 

@@ -265,8 +265,9 @@ def check_folder(folder: str | os.PathLike):
     config = folder / CONFIG_FILE
     if not (config.exists() or config.is_symlink()):
         raise CheckpointError(f"{config} does not exist: {folder} is not a torch_dist checkpoint")
+    raw = read_bytes(config, MAX_CONFIG_BYTES, folder)
     try:
-        backend = json.loads(read_bytes(config, MAX_CONFIG_BYTES, folder)).get("sharded_backend")
+        backend = json.loads(raw).get("sharded_backend")
     except (ValueError, AttributeError, RecursionError):  # not UTF-8, not JSON, not an object
         raise CheckpointError(f"{config} is not a JSON object") from None
     if backend != "torch_dist":

@@ -509,8 +509,7 @@ class ShardedWriter:
         if data.dtype not in _DTYPE_NAMES:
             raise CheckpointError(f"tensor {name}: safetensors has no dtype {data.dtype}")
         blocks = [block.detach().to("cpu") for block in data.blocks]
-        for block in blocks:
-            validation.check_written(name, block)
+        validation.check_written(name, blocks)
         size = sum(block.nbytes for block in blocks)
         if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes or self._header_length
                                        + _entry_length(name, _entry(data, self._shard_bytes, size)) > self.HEADER_BYTES):

@@ -340,7 +340,7 @@ def streaming_load_strategy(metadata):
     )
     from torch.distributed import checkpoint
     from torch.distributed._shard._utils import narrow_tensor_by_index
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
@@ -355,6 +355,10 @@ def streaming_load_strategy(metadata):
         def __init__(self, path, deferred: set[int], pieces: list[tuple[torch.Tensor, torch.Tensor]], metadata):
             super().__init__(path)
             self.deferred, self.pieces, self.metadata = deferred, pieces, metadata
+            # each item holds its chunk, as the metadata describes it
+            self.chunk_sizes = {MetadataIndex(key, chunk.offsets): chunk.sizes
+                                for key, entry in metadata.state_dict_metadata.items()
+                                for chunk in getattr(entry, "chunks", ())}
 
         def read_metadata(self, *args, **kwargs):
             # what torch's read_metadata adds to the unpickled metadata; each load asks for it, and the
@@ -379,6 +383,11 @@ def streaming_load_strategy(metadata):
                             planner.load_bytes(item, io.BytesIO(stream.read(info.length)))
                             continue
                         saved = self._mapped_tensor(stream, info)
+                        chunk = self.chunk_sizes.get(item.storage_index)
+                        if chunk is not None and tuple(saved.size()) != tuple(chunk):
+                            raise CheckpointError(
+                                f"{self.path}/{relative_path}: the item of {item.storage_index.fqn} holds "
+                                f"{saved.dtype} {list(saved.size())}, its chunk in the metadata is {list(chunk)}")
                         target = planner.resolve_tensor(item).detach()
                         if (saved.dim() != len(item.storage_offsets) or target.dtype != saved.dtype or any(
                                 o + n > size for o, n, size in zip(item.storage_offsets, item.lengths, saved.size()))):

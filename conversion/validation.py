@@ -250,13 +250,19 @@ def check_finite(name: str, tensor: torch.Tensor, where: str, dtype: torch.dtype
                                   "finite in it are refused (--allow-non-finite loads them)")
 
 
-def check_written(name: str, tensor: torch.Tensor) -> None:
-    """Refuse writing tensor `name` with NaN or infinite values, unless they are allowed."""
-    found = first_non_finite(tensor) if refuses_non_finite() else None
-    if found is not None:
-        index, value = found
-        raise CheckpointError(f"tensor {name} holds {value} at element {index}: weights with NaN or infinite "
-                              "values are not written (--allow-non-finite writes them)")
+def check_written(name: str, blocks: list[torch.Tensor]) -> None:
+    """Refuse writing tensor `name` (as its row blocks, one after the other) with NaN or infinite values, unless
+    they are allowed."""
+    if not refuses_non_finite():
+        return
+    first = 0
+    for block in blocks:
+        found = first_non_finite(block)
+        if found is not None:
+            index, value = found
+            raise CheckpointError(f"tensor {name} holds {value} at element {first + index}: weights with NaN or "
+                                  "infinite values are not written (--allow-non-finite writes them)")
+        first += block.numel()
 
 
 def check_index_range(name: str, tensor: torch.Tensor, low: int, high: int, meaning: str, where: str) -> None:

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from conversion import safe_pickle
+from conversion import safe_pickle, validation
 from conversion.errors import CheckpointError
 from conversion.files import confined, read_json
 from conversion.megatron_ckpt import check_stored_tensors, rank, save_sharded_state
-from conversion.torch_dist_streaming import streaming_load_strategy
+from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from conversion.torch_dist_streaming import original_errors, streaming_load_strategy
 from modelzoo import runtime
 from modelzoo.lora.export import NAMINGS, lora_config, save_adapter
 from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like
@@ -204,7 +205,8 @@ def load_adapter_checkpoint(model: torch.nn.Module, folder: str | Path) -> dict:
     metadata = read_checkpoint_metadata(folder)
     template = {"adapter": _adapter_state(model)}
     state_dir, strategy = _state_folder(folder, template)
-    loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
+    with original_errors():
+        loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
     _copy_adapters(model, loaded["adapter"])
     return metadata
 
@@ -224,7 +226,8 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
     if optimizer is not None:
         saved = dist_checkpointing.load_common_state_dict(state_dir)["optimizer"]
         template["optimizer"] = _optimizer_template(model, saved)
-    loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
+    with original_errors():
+        loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
     _copy_adapters(model, loaded["adapter"])
     if optimizer is not None:
         optimizer.load_state_dict(_torch_optimizer_state(model, optimizer, loaded["optimizer"]))
@@ -234,7 +237,6 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
 
 def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, params_dtype: str,
                          config: LoRAConfig, naming: str, allow_non_finite: bool = False) -> None:
-    from conversion import validation
     from modelzoo.registry import build_provider
 
     with runtime.parallel(tp=tp), validation.non_finite_allowed(allow_non_finite):
@@ -270,6 +272,13 @@ def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
         raise ValueError(f"{checkpoint_dir} holds {metadata['architecture']} adapters; {base} is a "
                          f"{provider.name} model")
     provider.check_parallel_layout(tp)
+    if any((Path(base) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):  # its config against its weights
+        reader = CheckpointReader(base)
+        try:
+            tensors, elements = validation.reader_contents(reader)
+            validation.check_config_fits(provider.hf_config, str(base), elements, tensors, provider.weights_per_unit)
+        finally:
+            reader.close()
     runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata["params_dtype"],
                 config, naming, allow_non_finite)
     return {"architecture": provider.name, "step": metadata["step"], "output": str(out_dir)}

@@ -185,7 +185,7 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: 
         return out_dir
     collected = {name: tensor.clone() for name, tensor in tensors}  # a fused layer's projections share one A
     for name, tensor in collected.items():
-        validation.check_written(name, tensor)
+        validation.check_written(name, [tensor])
     # strict JSON: a NaN or infinite value is an error here, not `NaN` in the file
     config = json.dumps(peft_config(model, provider, naming), indent=2, sort_keys=True, allow_nan=False) + "\n"
     with staged_folder(out_dir) as staging:
