@@ -42,7 +42,7 @@ from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
 USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
-# the --dtype choices, by their names in torch (what a Megatron checkpoint records: megatron_ckpt.DTYPES)
+# the --dtype choices, by their names in torch
 DTYPES = ("bfloat16", "float32")
 # the most a token file may hold (about 40 million token ids)
 MAX_TOKEN_FILE_BYTES = 256 * 2**20
@@ -165,7 +165,8 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
                                   **metadata.get("model_options", {}))
         stored = megatron_ckpt.checked_state(megatron_dir)
         # the config against what the checkpoint holds, before a model of it is built
-        elements = sum(math.prod(entry.size) for entry in stored.state_dict_metadata.values() if hasattr(entry, "size"))
+        elements = sum(math.prod(entry.size) for entry in stored.state_dict_metadata.values()
+                       if hasattr(entry, "size"))
         validation.check_config_fits(provider.hf_config, str(megatron_dir), elements,
                                      weights_per_unit=provider.weights_per_unit)
         # streamed: the model is never built, its tensors are read a bounded group at a time

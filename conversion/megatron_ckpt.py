@@ -38,8 +38,6 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 HF_SUBDIR = "hf"
 METADATA_FILE = "modelzoo.json"
-# the dtypes a checkpoint is written in (`modelzoo import --dtype`)
-DTYPES = ("bfloat16", "float32")
 # an iteration number or "release", and a newline: a longer tracker is not Megatron-LM's
 MAX_TRACKER_BYTES = 64
 
@@ -134,15 +132,15 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
 
 
 def read_metadata(folder: str | Path) -> dict:
-    """modelzoo.json of a checkpoint folder: a JSON object; the architecture (a string), the dtype (`DTYPES`), the
-    layout it was written at (counts of at least 1) and the architecture's options (an object) where it gives them."""
+    """modelzoo.json of a checkpoint folder: a JSON object; the architecture and the dtype (names), the layout it
+    was written at (counts of at least 1) and the architecture's options (an object) where it gives them."""
     folder = Path(folder)
     path = folder / METADATA_FILE
     if not (folder / TRACKER_FILE).exists() or not path.exists():
         raise CheckpointError(f"{folder} is not a modelzoo Megatron checkpoint (no {TRACKER_FILE} or {METADATA_FILE})")
     metadata = read_json(path, folder)
-    if metadata.get("dtype", DTYPES[0]) not in DTYPES or not isinstance(metadata.get("architecture", ""), str):
-        raise CheckpointError(f"{path} must name the architecture and a dtype among {sorted(DTYPES)}")
+    if not all(isinstance(metadata.get(key), (str, type(None))) for key in ("architecture", "dtype")):
+        raise CheckpointError(f"{path}: architecture and dtype must be names")
     for key in ("written_at_tp", "written_at_ep", "written_at_pp"):
         value = metadata.get(key, 1)
         if not is_int(value) or value < 1:

@@ -120,6 +120,8 @@ def check_config(config: dict, config_class: type, where: str, bounds: dict[str,
         if annotation is not None and not isinstance(annotation, str) and not _matches(value, annotation):
             raise ValueError(f"{where}: {name} is {_shown(value)}; it must be {_annotation_text(annotation)}")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number and (name.endswith("_eps") or name.endswith("rope_theta")) and value is not None:
+            raise ValueError(f"{where}: {name} is {_shown(value)}; it must be a number")
         if not number:
             continue
         if isinstance(value, int) and abs(value) >= 2**63:
@@ -130,6 +132,16 @@ def check_config(config: dict, config_class: type, where: str, bounds: dict[str,
             raise ValueError(f"{where}: {name} is {value!r}; it must be above 0")
         if isinstance(value, int) and value < 0 and not name.endswith("_token_id"):
             raise ValueError(f"{where}: {name} is {value!r}; it must not be negative")
+    for name, value in _rope_settings(config):
+        if name.rsplit(".", 1)[-1] in ("rope_type", "type"):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name} is {_shown(value)}; it must be a string")
+        elif value is not None and not isinstance(value, (bool, int, float)):
+            raise ValueError(f"{where}: {name} is {_shown(value)}; it must be a number")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            refusal = ROPE_BOUNDS.get(name.rsplit(".", 1)[-1], Bounds()).refusal(value)
+            if refusal is not None:
+                raise ValueError(f"{where}: {name} is {value!r}; {refusal}")
     for field, bound in (bounds or {}).items():
         for name, value in _bounded_values(config, field):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -140,6 +152,27 @@ def check_config(config: dict, config_class: type, where: str, bounds: dict[str,
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
         raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+
+
+# the RoPE settings (`rope_parameters`, or an official `rope_scaling`) that scale frequencies or positions
+ROPE_FIELDS = ("rope_parameters", "rope_scaling")
+ROPE_BOUNDS = {"rope_theta": Bounds(0, above_low=True, why="the RoPE base"),
+               "factor": Bounds(0, above_low=True, why="it scales the positions"),
+               "original_max_position_embeddings": Bounds(1, why="a number of positions")}
+
+
+def _rope_settings(config: dict) -> list[tuple[str, object]]:
+    """(dotted name, value) of every RoPE setting: the entries of `rope_parameters` / `rope_scaling`, and of the
+    objects inside them (DeepSeek-V4 keeps one per kind of layer)."""
+    settings = []
+    for field in ROPE_FIELDS:
+        value = config.get(field)
+        for key, item in value.items() if isinstance(value, dict) else ():
+            if isinstance(item, dict):
+                settings += [(f"{field}.{key}.{inner}", leaf) for inner, leaf in item.items()]
+            else:
+                settings.append((f"{field}.{key}", item))
+    return settings
 
 
 def _shown(value) -> str:
