@@ -37,7 +37,7 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 from conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
 from conversion.files import confined, read_json  # noqa: E402
 from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
-from modelzoo.processes import RankFailed, check_not_interrupted, signals_interrupt  # noqa: E402
+from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, signals_interrupt  # noqa: E402
 from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
@@ -158,7 +158,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(megatron_dir)
-    hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
+    hf_side = megatron_ckpt.hf_side(megatron_dir)
     with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
           validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_side, params_dtype=getattr(torch, metadata["dtype"]),
@@ -185,7 +185,7 @@ def cmd_export(args) -> int:
     if metadata.get("dtype") not in DTYPES or not isinstance(metadata.get("architecture"), str):
         raise CheckpointError(f"{metadata_file} must name the architecture and a dtype among {sorted(DTYPES)}")
     start = time.perf_counter()
-    provider = build_provider(Path(args.megatron_dir) / megatron_ckpt.HF_SUBDIR)
+    provider = build_provider(megatron_ckpt.hf_side(args.megatron_dir))
     provider.check_recorded_options(metadata.get("model_options", {}), str(metadata_file))
     provider.check_parallel_layout(args.tp, args.ep)
     options = {"format": args.format, "quantize": None if args.quantize == "none" else args.quantize}
@@ -505,9 +505,13 @@ def main(argv: list[str] | None = None) -> int:
         except RankFailed as error:  # what the rank's exception was, not its class's name, says how to report it
             if error.is_a(KeyboardInterrupt):
                 return _interrupted(error.message)
-            if error.is_a(*USER_ERRORS):
+            if error.is_a(*USER_ERRORS) or (error.is_a(OSError) and error.filename is not None):
                 return _error(error.message)
             raise
+        except RankDied as error:  # a rank killed from outside (the OOM killer, a signal to it alone)
+            # on a line of its own: after the progress bar the rank could not clear
+            print(f"\nmodelzoo: {error}; nothing was written", file=sys.stderr)
+            return 128 - error.exit_code if error.exit_code < 0 else 1
         except ParityFailed as error:
             print(f"modelzoo: parity failed: {one_line(error)}", file=sys.stderr)
             return 1

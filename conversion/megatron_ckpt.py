@@ -150,6 +150,11 @@ def read_metadata(folder: str | Path) -> dict:
     return metadata
 
 
+def hf_side(folder: str | Path) -> Path:
+    """The checkpoint's `hf/` folder (its config and tokenizer files), which must lie in it (`files.confined`)."""
+    return confined(Path(folder) / HF_SUBDIR, folder, folder=True)
+
+
 def state_folder(folder: str | Path) -> Path:
     """The folder of the state the tracker file names: `release`, or `iter_0000100` for iteration 100 (as
     Megatron-LM names them), and nothing else: the tracker cannot point outside the checkpoint, nor can the

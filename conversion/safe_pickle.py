@@ -46,9 +46,11 @@ from conversion.safetensors_io import is_int
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}
 LEGACY_COMMON_FILE = "common.pt"
-# the most Megatron's metadata.json and a legacy common.pt may hold (a few hundred bytes, a few KiB written)
+# the most Megatron's metadata.json, a `.metadata` and a byte item or legacy common.pt may hold (written: a few
+# hundred bytes; a few MiB for a large model's chunks; a few KiB of common state or RNG states)
 MAX_CONFIG_BYTES = 2**20
-MAX_COMMON_BYTES = 256 * 2**20
+MAX_METADATA_BYTES = 2**30
+MAX_OBJECT_BYTES = 256 * 2**20
 # what a byte item's object may hold, each reference counted (a list holding one list ten times, nested 30
 # deep, is small in its pickle and 10**30 items to whoever walks it: Megatron's merge does)
 MAX_OBJECT_ITEMS = 10**6
@@ -274,8 +276,10 @@ def check_folder(folder: str | os.PathLike):
         raise CheckpointError(f"{config}: sharded_backend is {str(backend)[:40]!r}, modelzoo reads 'torch_dist' "
                               "checkpoints")
     metadata_path = folder / METADATA_FILE
-    if metadata_path.exists() or metadata_path.is_symlink():
-        confined(metadata_path, folder)
+    if (metadata_path.exists() or metadata_path.is_symlink()) and \
+            confined(metadata_path, folder).stat().st_size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{metadata_path} holds more than {MAX_METADATA_BYTES} bytes, more than such a file can "
+                              "hold: refused")
     metadata = read_metadata(metadata_path)
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
@@ -314,13 +318,16 @@ def check_folder(folder: str | os.PathLike):
             raise CheckpointError(f"{folder / name}: item {index.fqn} holds {info.length} bytes, fewer than the "
                                   f"{chunk_bytes[index]} of its chunk's elements")
         if isinstance(entries.get(index.fqn), BytesStorageMetadata):
+            if info.length > MAX_OBJECT_BYTES:
+                raise CheckpointError(f"{folder / name}: item {index.fqn} holds {info.length} bytes, more than the "
+                                      f"{MAX_OBJECT_BYTES} an object of a checkpoint may: refused")
             with open(folder / name, "rb") as file:
                 data = os.pread(file.fileno(), info.length, info.offset)
             where = f"{folder / name}: item {index.fqn}"
             _check_byte_item(index.fqn, load_object(data, where), where)
     common = folder / LEGACY_COMMON_FILE
     if common.exists() or common.is_symlink():
-        _check_byte_item(LEGACY_COMMON_FILE, load_object(read_bytes(common, MAX_COMMON_BYTES, folder), str(common)),
+        _check_byte_item(LEGACY_COMMON_FILE, load_object(read_bytes(common, MAX_OBJECT_BYTES, folder), str(common)),
                          str(common))
     return metadata
 

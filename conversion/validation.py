@@ -76,18 +76,21 @@ def _non_finite(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Bounds:
-    """The numbers a config field may hold, and why: at least `low` (above it with `above_low`), at most `high`.
-    An architecture's table (`ModelProvider.config_bounds`) names a field, or `name.*` for every value of a
-    field that is an object or a list."""
+    """The numbers a config field may hold, and why: at least `low` (above it with `above_low`), at most `high`,
+    an integer with `integer`. An architecture's table (`ModelProvider.config_bounds`) names a field, or `name.*`
+    for every value of a field that is an object or a list."""
 
     low: float | None = None
     high: float | None = None
     above_low: bool = False
     why: str = ""
+    integer: bool = False
 
     def refusal(self, value) -> str | None:
         """Why `value` is refused, or None."""
-        if self.low is not None and (value <= self.low if self.above_low else value < self.low):
+        if self.integer and not isinstance(value, int):
+            limit = "an integer"
+        elif self.low is not None and (value <= self.low if self.above_low else value < self.low):
             limit = f"above {self.low}" if self.above_low else f"at least {self.low}"
         elif self.high is not None and value > self.high:
             limit = f"at most {self.high}"
@@ -158,7 +161,10 @@ def check_config(config: dict, config_class: type, where: str, bounds: dict[str,
 ROPE_FIELDS = ("rope_parameters", "rope_scaling")
 ROPE_BOUNDS = {"rope_theta": Bounds(0, above_low=True, why="the RoPE base"),
                "factor": Bounds(0, above_low=True, why="it scales the positions"),
-               "original_max_position_embeddings": Bounds(1, why="a number of positions")}
+               "original_max_position_embeddings": Bounds(1, why="a number of positions"),
+               "beta_fast": Bounds(0, above_low=True, why="YaRN's rotations"),
+               "beta_slow": Bounds(0, above_low=True, why="YaRN's rotations"),
+               "partial_rotary_factor": Bounds(0, 1, above_low=True, why="the fraction of head_dim that RoPE rotates")}
 
 
 def _rope_settings(config: dict) -> list[tuple[str, object]]:

@@ -17,17 +17,27 @@ def exception_kinds(error: BaseException) -> tuple[str, ...]:
 
 
 class RankFailed(RuntimeError):
-    """An exception on one rank of `spawn`; `error_type`, `message` and `kinds` (`exception_kinds`) are the
-    original's."""
+    """An exception on one rank of `spawn`; `error_type`, `message`, `kinds` (`exception_kinds`) and, for an
+    OSError about a file, `filename` are the original's."""
 
-    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, kinds: tuple[str, ...] = ()):
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, kinds: tuple[str, ...] = (),
+                 filename: str | None = None):
         super().__init__(f"rank {rank} failed with {error_type}: {message}\n{remote_traceback}")
         self.rank, self.error_type, self.message, self.remote_traceback = rank, error_type, message, remote_traceback
-        self.kinds = kinds
+        self.kinds, self.filename = kinds, filename
 
     def is_a(self, *classes: type[BaseException]) -> bool:
         """Whether the rank's exception was an instance of one of `classes` (subclasses included)."""
         return any(f"{kind.__module__}.{kind.__qualname__}" in self.kinds for kind in classes)
+
+
+class RankDied(RuntimeError):
+    """A rank of `spawn` ended without a word (killed: `exit_code` is minus the signal's number)."""
+
+    def __init__(self, rank: int, exit_code: int):
+        how = f"was killed by signal {-exit_code}" if exit_code < 0 else f"ended with exit code {exit_code}"
+        super().__init__(f"rank {rank} {how}")
+        self.rank, self.exit_code = rank, exit_code
 
 
 # the signals (SIGTERM, SIGINT) this process received since it began handling them

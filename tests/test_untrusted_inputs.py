@@ -676,7 +676,7 @@ def iteration_folder_leading_out(checkpoint: Path, outside: Path) -> None:
 LEADING_OUT = {  # command -> files of its input folder made links out of it
     "import": ["tokenizer.json", "config.json", "model.safetensors"],
     "logprobs-hf": ["generation_config.json"],
-    "export": ["hf/tokenizer.json", "hf/config.json", "modelzoo.json", "latest_checkpointed_iteration.txt", "release",
+    "export": ["hf", "hf/tokenizer.json", "hf/config.json", "modelzoo.json", "latest_checkpointed_iteration.txt", "release",
                "release/__0_0.distcp", "release/.metadata", "release/metadata.json", "iter_0000001"],
     "export-adapter": ["lora.json", "state", "state/.metadata"],
 }
@@ -749,13 +749,27 @@ def test_fifos_sockets_and_devices_are_refused_before_opening(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("file, size, limit", [("latest_checkpointed_iteration.txt", 65, 64),
-                                                ("modelzoo.json", 64 * 2**20 + 1, 64 * 2**20)])
+                                                ("modelzoo.json", 64 * 2**20 + 1, 64 * 2**20),
+                                                ("release/.metadata", 2**30 + 1, 2**30)])
 def test_a_file_longer_than_it_can_be_is_read_no_further(capsys, tmp_path, checkpoint, file, size, limit):
     path = checkpoint / file
     with open(path, "r+b") as handle:  # sparse: no disk space taken
         handle.truncate(size)
     assert_refused(capsys, ["export", checkpoint, tmp_path / "out"],
                    rf"ckpt/{re.escape(file)} holds more than {limit} bytes", tmp_path, ["ckpt"])
+
+
+def test_a_byte_item_larger_than_an_object_of_a_checkpoint_is_not_read(capsys, tmp_path, checkpoint):
+    state = checkpoint / "release"
+    metadata = safe_pickle.read_metadata(state / safe_pickle.METADATA_FILE)
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn.startswith("common_state"))
+    with open(state / info.relative_path, "r+b") as handle:  # sparse: 300 MiB of zeros after the file
+        info.offset, info.length = handle.seek(0, os.SEEK_END), 300 * 2**20
+        handle.truncate(info.offset + info.length)
+    write_metadata(state, metadata)
+    assert_refused(capsys, ["export", checkpoint, tmp_path / "out"],
+                   r"item common_state/shard_0_1 holds 314572800 bytes, more than the 268435456 an object of a "
+                   r"checkpoint may", tmp_path, ["ckpt"])
 
 
 # --- values that the model's dtype cannot hold, and values written -----------------------------------------
@@ -948,6 +962,18 @@ V4_CONFIGS = {
                                r"compress_rates\['compressed_sparse_attention'\] is -4; it must be at least 1"),
     "compress rate as text": ({"compress_rates": {"compressed_sparse_attention": "4", "heavily_compressed_attention": 16}},
                               r"compress_rates\['compressed_sparse_attention'\] is '4'; it must be a number"),
+    "fractional compress rate": ({"compress_rates": {"compressed_sparse_attention": 4.5,
+                                                     "heavily_compressed_attention": 16}},
+                                 r"compress_rates\['compressed_sparse_attention'\] is 4\.5; it must be an integer"),
+    "no rate for a compressed layer type": ({"compress_rates": {"compressed_sparse_attention": 4}},
+                                            r"compress_rates without a rate for \['heavily_compressed_attention'\]"),
+    "a rate longer than the positions": ({"compress_rates": {"compressed_sparse_attention": 4,
+                                                             "heavily_compressed_attention": 10**9}},
+                                         r"compress_rates\['heavily_compressed_attention'\]=1000000000 \(more than the "
+                                         r"128 positions"),
+    "a negative YaRN rotation": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -32,
+                                                      "original_max_position_embeddings": 32}},
+                                 r"rope_parameters\.beta_fast is -32; it must be above 0"),
     "negative partial_rotary_factor": ({"partial_rotary_factor": -0.25}, r"partial_rotary_factor is -0\.25; it must be "
                                        r"above 0"),
     "partial_rotary_factor above 1": ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor is 1\.5; it must be at "
@@ -1433,3 +1459,13 @@ def test_a_sigterm_whose_exception_is_swallowed_still_stops_the_command(tmp_path
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_a_rank_killed_from_outside_is_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    process, [publishing_rank] = start_slow_import(tmp_path, out, tp=2)
+    os.kill(publishing_rank, signal.SIGKILL)  # the OOM killer's way
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert re.fullmatch(r"modelzoo: rank \d was killed by signal 9; nothing was written", err.strip().splitlines()[-1])
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))

@@ -26,7 +26,7 @@ ROPE_TYPES = ("default", "yarn")
 # the ranges of the fields the generic config checks do not bound (conversion/validation.py)
 CONFIG_BOUNDS = {
     "sliding_window": Bounds(1, why="the keys each query sees in the sliding window, its own included"),
-    "compress_rates.*": Bounds(1, why="the positions each compressed entry pools"),
+    "compress_rates.*": Bounds(1, integer=True, why="the positions each compressed entry pools"),
     "partial_rotary_factor": Bounds(0, 1, above_low=True, why="the fraction of head_dim that RoPE rotates"),
     "hc_sinkhorn_iters": Bounds(1, 1000, why="Sinkhorn iterations of every hyper-connection in every forward; "
                                            "the release runs 20"),
@@ -172,9 +172,15 @@ def check_supported(hf: DeepseekV4Config, where: str = "deepseek_v4 config") -> 
     if hf.num_experts_per_tok > hf.n_routed_experts:
         problems.append(f"num_experts_per_tok={hf.num_experts_per_tok} (more than the {hf.n_routed_experts} "
                         f"routed experts)")
-    for name in ("sliding_window", "index_topk"):  # positions a query sees, or picks among: no more than there are
-        if getattr(hf, name) > hf.max_position_embeddings:
-            problems.append(f"{name}={getattr(hf, name)} (more than the {hf.max_position_embeddings} positions, "
+    missing = sorted({kind for kind in hf.layer_types or () if kind != SLIDING} - set(hf.compress_rates or {}))
+    if missing:
+        problems.append(f"compress_rates without a rate for {missing} (layer types of layer_types)")
+    # positions a query sees, picks among or that an entry pools: no more than there are
+    lengths = {"sliding_window": hf.sliding_window, "index_topk": hf.index_topk,
+               **{f"compress_rates[{kind!r}]": rate for kind, rate in (hf.compress_rates or {}).items()}}
+    for name, length in lengths.items():
+        if isinstance(length, int) and length > hf.max_position_embeddings:
+            problems.append(f"{name}={length} (more than the {hf.max_position_embeddings} positions, "
                             f"max_position_embeddings)")
     for kind, params in (hf.rope_parameters or {}).items():
         if isinstance(params, dict) and params.get("rope_type", "default") not in ROPE_TYPES:
