@@ -109,7 +109,7 @@ def baseline(source, out, shard_bytes):
 
 
 def import_(source, out, shard_bytes):
-    cli._import_rank(0, source, out, 1, 1, "bfloat16", None)
+    cli._import_rank(0, source, out, 1, 1, "bfloat16", None, {}, False, 1)
 
 
 def export(source, out, shard_bytes):

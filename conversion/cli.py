@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -29,18 +28,24 @@ from pathlib import Path
 # Megatron-Core announces every optional library it did not find (Transformer Engine, Apex, absl) and
 # deprecations of APIs modelzoo does not call; a CLI user acts on none of it. Errors still show.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
+# torch's distributed checkpoint announces that it loads in one process and that its API will change: the same
+warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint\..*")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint\..*")
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-from conversion.errors import CheckpointError, MappingError  # noqa: E402
+from conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
+from conversion.files import confined, read_json  # noqa: E402
 from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
-from modelzoo.processes import RankFailed, interrupt_on_sigterm  # noqa: E402
+from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, signals_interrupt  # noqa: E402
 from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
 USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
 # the --dtype choices, by their names in torch
 DTYPES = ("bfloat16", "float32")
+# the most a token file may hold (about 40 million token ids)
+MAX_TOKEN_FILE_BYTES = 256 * 2**20
 
 
 class ParityFailed(Exception):
@@ -77,7 +82,7 @@ def _existing_objects_not_collected():
 def _config_with_dtype(source: Path, dtype_name: str) -> str | None:
     """The text of `source`'s config.json saying the weights are `dtype_name` (what the import stores,
     and so what an export writes), or None when it says so already (it is then copied as it is)."""
-    config = json.loads(source.read_text())
+    config = read_json(source, source.parent)
     keys = [key for key in ("torch_dtype", "dtype") if key in config]
     if all(config[key] == dtype_name for key in keys) and (keys or dtype_name == "float32"):  # none: float32
         return None
@@ -106,12 +111,16 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
             keep_source_scales(reader, folder)
 
         try:
-            validation.check_config_fits(provider.hf_config, reader)
+            tensors, elements = validation.reader_contents(reader)
+            validation.check_config_fits(provider.hf_config, str(reader.folder), elements, tensors,
+                                         provider.weights_per_unit)
+            # files copied into the output: refused before any work if one leads out of the folder
+            side_files = [confined(Path(hf_dir) / name, hf_dir) for name in TOKENIZER_FILES
+                          if (Path(hf_dir) / name).exists()]
+            side_files += [config] if retyped_config is None else []
             # streamed: the model is never built, each tensor is read, sharded and written in turn
             skeleton = provider.provide_skeleton()
             weights = engine.hf_weights(skeleton, provider.mapping(), reader)
-            side_files = [Path(hf_dir) / name for name in TOKENIZER_FILES if (Path(hf_dir) / name).exists()]
-            side_files += [config] if retyped_config is None else []
             metadata = {"architecture": provider.name, "dtype": dtype_name, "written_at_tp": tp, "written_at_ep": ep,
                         "written_at_pp": pp,
                         "model_options": provider.model_options()}
@@ -142,19 +151,26 @@ def cmd_import(args) -> int:
 
 
 def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, max_shard_bytes: int,
-                 options: dict) -> int:
+                 options: dict, allow_non_finite: bool = False) -> int:
     import torch
 
-    from conversion import megatron_ckpt
+    from conversion import megatron_ckpt, validation
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(megatron_dir)
-    hf_side = Path(megatron_dir) / megatron_ckpt.HF_SUBDIR
-    with _existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep):
+    hf_side = megatron_ckpt.hf_side(megatron_dir)
+    with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep),
+          validation.non_finite_allowed(allow_non_finite)):
         provider = build_provider(hf_side, params_dtype=getattr(torch, metadata["dtype"]),
                                   **metadata.get("model_options", {}))
+        stored = megatron_ckpt.checked_state(megatron_dir)
+        # the config against what the checkpoint holds, before a model of it is built
+        elements = sum(math.prod(entry.size) for entry in stored.state_dict_metadata.values()
+                       if hasattr(entry, "size"))
+        validation.check_config_fits(provider.hf_config, str(megatron_dir), elements,
+                                     weights_per_unit=provider.weights_per_unit)
         # streamed: the model is never built, its tensors are read a bounded group at a time
-        weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir)
+        weights = megatron_ckpt.stream_weights(provider.provide_skeleton(), megatron_dir, stored=stored)
         return provider.save_checkpoint(weights, out_dir, max_shard_bytes=max_shard_bytes, source_dir=hf_side, **options)
 
 
@@ -165,18 +181,20 @@ def cmd_export(args) -> int:
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
+    metadata_file = Path(args.megatron_dir) / megatron_ckpt.METADATA_FILE
     if metadata.get("dtype") not in DTYPES or not isinstance(metadata.get("architecture"), str):
-        raise CheckpointError(f"{Path(args.megatron_dir) / megatron_ckpt.METADATA_FILE} must name the architecture "
-                              f"and a dtype among {sorted(DTYPES)}")
+        raise CheckpointError(f"{metadata_file} must name the architecture and a dtype among {sorted(DTYPES)}")
     start = time.perf_counter()
-    build_provider(Path(args.megatron_dir) / megatron_ckpt.HF_SUBDIR).check_parallel_layout(args.tp, args.ep)
+    provider = build_provider(megatron_ckpt.hf_side(args.megatron_dir))
+    provider.check_recorded_options(metadata.get("model_options", {}), str(metadata_file))
+    provider.check_parallel_layout(args.tp, args.ep)
     options = {"format": args.format, "quantize": None if args.quantize == "none" else args.quantize}
     if args.experts is not None:
         options["experts"] = args.experts
     if args.scale_format != "keep":
         options["scale_format"] = args.scale_format
     written = runtime.run(_export_rank, args.tp * args.ep, args.megatron_dir, str(out), args.tp, args.ep,
-                          args.max_shard_bytes, options)[0]
+                          args.max_shard_bytes, options, args.allow_non_finite)[0]
     _summary("export", [("architecture", metadata["architecture"]), ("source", args.megatron_dir),
                         ("output", out), ("tensor / expert parallel", f"{args.tp} / {args.ep}"),
                         ("bytes written", f"{written:,}"),
@@ -188,7 +206,8 @@ def cmd_export_adapter(args) -> int:
     from modelzoo.lora import export_adapter
 
     start = time.perf_counter()
-    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base, naming=args.naming)
+    result = export_adapter(args.checkpoint_dir, args.adapter_dir, tp=args.tp, base_dir=args.base, naming=args.naming,
+                            allow_non_finite=args.allow_non_finite)
     _summary("export-adapter", [("architecture", result["architecture"]), ("source", args.checkpoint_dir),
                                 ("step", result["step"]), ("output", result["output"]),
                                 ("tensor parallel", args.tp), ("seconds", f"{time.perf_counter() - start:.1f}")])
@@ -196,20 +215,27 @@ def cmd_export_adapter(args) -> int:
 
 
 # --- logprobs / parity --------------------------------------------------------------------------
-def _read_token_lists(path: str, vocab_size: int) -> list[list[int]]:
+def _read_token_lists(path: str, vocab_size: int, max_positions: int, config: str) -> list[list[int]]:
+    """The token file: a regular file (a FIFO or a device is refused before it is opened) of at most
+    `MAX_TOKEN_FILE_BYTES`, holding a JSON list of sequences of at least 2 and at most `max_positions` (the
+    model's max_position_embeddings, read from `config`) token ids below `vocab_size`."""
+    if not (Path(path).exists() or Path(path).is_symlink()):
+        raise FileNotFoundError(f"token file {path} does not exist")
     try:
-        tokens = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"token file {path} does not exist") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"token file {path} is not JSON ({error})") from None
-    if not isinstance(tokens, list) or not all(isinstance(seq, list) and len(seq) >= 2 for seq in tokens):
+        tokens = read_json(path, what=list, limit=MAX_TOKEN_FILE_BYTES)
+    except CheckpointError as error:
+        raise ValueError(f"token file {error}") from None
+    if not all(isinstance(seq, list) and len(seq) >= 2 for seq in tokens):
         raise ValueError(f"token file {path} must hold a JSON list of token-id lists, each of length >= 2")
     for number, seq in enumerate(tokens):
         # JSON true / false are Python ints too: refused like any other non-id
         bad = [t for t in seq if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token file {path}: sequence {number} has ids outside [0, {vocab_size}): {bad[:5]}")
+            raise ValueError(f"token file {path}: sequence {number} has ids outside [0, {vocab_size}): "
+                             f"{[t if isinstance(t, int) else type(t).__name__ for t in bad[:5]]}")
+        if len(seq) > max_positions:
+            raise ValueError(f"token file {path}: sequence {number} has {len(seq)} tokens, more than the "
+                             f"{max_positions} positions of the model (max_position_embeddings in {config})")
     return tokens
 
 
@@ -235,6 +261,7 @@ def _write_new_file(path: Path, text: str) -> None:
         with os.fdopen(descriptor, "w") as file:
             file.write(text)
         _refuse_existing(path)
+        check_not_interrupted()
         os.replace(partial, path)
     except BaseException as error:
         Path(partial).unlink(missing_ok=True)
@@ -246,7 +273,8 @@ def cmd_logprobs(args) -> int:
     _refuse_existing(out)
     provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp)
-    sequences = _read_token_lists(args.tokens, provider.vocab_size)
+    sequences = _read_token_lists(args.tokens, provider.vocab_size, provider.hf_config.max_position_embeddings,
+                                  str(Path(args.hf_dir) / "config.json"))
     if args.pack and args.backend == "hf":
         raise ValueError("--pack runs the Megatron backend's packed (THD) forward; the hf backend runs one sequence "
                          "at a time: drop --pack or use --backend megatron")
@@ -283,6 +311,9 @@ def cmd_logprobs(args) -> int:
 def cmd_parity(args) -> int:
     provider = build_provider(args.hf_dir, **_provider_options(args))
     provider.check_parallel_layout(args.tp, args.ep, args.cp, args.pp)
+    if args.seq_len > provider.hf_config.max_position_embeddings:
+        raise ValueError(f"--seq-len {args.seq_len}: more than the {provider.hf_config.max_position_embeddings} "
+                         f"positions of the model (max_position_embeddings in {Path(args.hf_dir) / 'config.json'})")
     import torch  # after the checks: a refused input does not wait for torch, Megatron-Core or transformers
 
     from modelzoo.parity import hf_outputs, megatron_outputs
@@ -328,8 +359,18 @@ def cmd_list(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A command line argparse cannot read: reported in one line, like any other refused input."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse prints the usage and the message on lines of their own and exits; here it is one line
+        raise UsageError(f"{message} ({self.prog} --help lists the arguments)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modelzoo", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="modelzoo", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub, tp=True, dtype=True):
@@ -375,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="module names: transformers' model class (what peft loads onto) or the checkpoint's "
                           "tensor names (DeepSeek-V4 release leaves; the same for Llama and LoopCoder)")
     sub.set_defaults(func=cmd_export_adapter)
+    for name in ("export", "export-adapter"):
+        commands.choices[name].add_argument("--allow-non-finite", action="store_true",
+                                            help="write tensors with NaN or infinite values (refused by default)")
 
     for name, func, text in (("logprobs", cmd_logprobs, "token log-probabilities to JSON"),
                              ("parity", cmd_parity, "Megatron vs HF on random tokens")):
@@ -429,41 +473,54 @@ def check_arguments(args) -> None:
         raise ValueError(f"--tolerance {tolerance}: it must be a finite number >= 0")
 
 
+def _error(message) -> int:
+    print(f"modelzoo: error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _interrupted(error: BaseException | str) -> int:
+    # on a line of its own: after the terminal's ^C, or a progress bar of a rank that was stopped
+    print(f"\nmodelzoo: {one_line(str(error) or 'interrupted')}; nothing was written", file=sys.stderr)
+    return 128 + (signal.SIGTERM if str(error) == "terminated" else signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
-    # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm) if in_main_thread else None
     try:
-        check_arguments(args)
-        return args.func(args)
-    except USER_ERRORS as error:
-        print(f"modelzoo: error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # a file that cannot be read (writes are reported where they fail)
-        if error.filename is None:
+        args = build_parser().parse_args(argv)
+    except UsageError as error:
+        return _error(error)
+    output = Path(getattr(args, OUTPUTS[args.command])) if args.command in OUTPUTS else None
+    # SIGTERM (a job scheduler's kill, `timeout`) unwinds like Ctrl-C: staging folders are removed; a second
+    # signal does not cut that short
+    with signals_interrupt():
+        try:
+            check_arguments(args)
+            return args.func(args)
+        except USER_ERRORS as error:
+            return _error(error)
+        except OSError as error:  # a file that cannot be read (writes are reported where they fail)
+            if error.filename is None:
+                raise
+            return _error(f"{error.filename}: {error.strerror}")
+        except RankFailed as error:  # what the rank's exception was, not its class's name, says how to report it
+            if error.is_a(KeyboardInterrupt):
+                return _interrupted(error.message)
+            if error.is_a(*USER_ERRORS) or (error.is_a(OSError) and error.filename is not None):
+                return _error(error.message)
             raise
-        print(f"modelzoo: error: {error.filename}: {error.strerror}", file=sys.stderr)
-        return 2
-    except RankFailed as error:
-        if error.error_type in {kind.__name__ for kind in USER_ERRORS}:
-            print(f"modelzoo: error: {error.message}", file=sys.stderr)
-            return 2
-        raise
-    except ParityFailed as error:
-        print(f"modelzoo: parity failed: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as error:
-        # on a line of its own: after the terminal's ^C, or a progress bar of a rank that was stopped
-        print(f"\nmodelzoo: {error or 'interrupted'}; nothing was written", file=sys.stderr)
-        return 128 + (signal.SIGTERM if str(error) == "terminated" else signal.SIGINT)
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        if output is not None and not output.exists():
-            # ranks killed mid-write (this run's, after a failure, or a dead run's) leave their staging folders
-            remove_stale_staging(output)
+        except RankDied as error:  # a rank killed from outside (the OOM killer, a signal to it alone)
+            # on a line of its own: after the progress bar the rank could not clear
+            print(f"\nmodelzoo: {error}; nothing was written", file=sys.stderr)
+            return 128 - error.exit_code if error.exit_code < 0 else 1
+        except ParityFailed as error:
+            print(f"modelzoo: parity failed: {one_line(error)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as error:
+            return _interrupted(error)
+        finally:
+            if output is not None and not output.exists():
+                # ranks killed mid-write (this run's, after a failure, or a dead run's) leave their staging folders
+                remove_stale_staging(output)
 
 
 if __name__ == "__main__":

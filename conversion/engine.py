@@ -198,17 +198,24 @@ def check_checkpoint(model: torch.nn.Module, table: MappingTable, reader: Checkp
 
 def hf_shard(name: str, target: torch.Tensor, table: MappingTable, reader: CheckpointReader) -> RowBlocks:
     """This rank's shard of Megatron tensor `name`, made from the checkpoint as row blocks of the source
-    tensors (nothing concatenated yet); `target` (the parameter, real or on the meta device) gives its
-    shape and parallel layout. The source dtype is kept. NaN or infinite values are refused
-    (`validation.check_finite`) unless allowed: the shard is checked, which reads only this rank's part."""
+    tensors (nothing concatenated yet), in the dtype of `target` (the parameter, real or on the meta device,
+    which gives its shape and parallel layout too): no copy where the source has that dtype. NaN or infinite
+    values, as stored or once cast to that dtype, are refused (`validation.check_finite`) unless allowed, and
+    so are integer values outside the range the rule gives them: the shard is checked, which reads only this
+    rank's part."""
     rule, indices = table.for_megatron(name)
     layout = ShardLayout(target)
     hf_names = rule.hf_names(indices)
     sources = [reader.get(hf_name) for hf_name in hf_names]
     rows = layout.shard(rule.transform.to_megatron_rows(sources, layout.full_shape(target), layout.tp_size))
+    rows = rows.to(target.dtype)
     if validation.refuses_non_finite() and any(validation.first_non_finite(block) is not None for block in rows.blocks):
         for hf_name, source in zip(hf_names, sources):  # which source it came from, for the message
-            validation.check_finite(hf_name, source, str(reader.tensors[hf_name].file))
+            validation.check_finite(hf_name, source, str(reader.tensors[hf_name].file), target.dtype)
+    if rule.values is not None:
+        for hf_name, source in zip(hf_names, sources):
+            validation.check_index_range(hf_name, source, 0, rule.values.end, rule.values.meaning,
+                                         str(reader.tensors[hf_name].file))
     return rows
 
 
@@ -259,6 +266,11 @@ def export_hf_weights(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor 
             hf_tensors = [rows.tensor() for rows in hf_tensors]
         if edit is not None:
             hf_tensors = edit(name, rule, hf_tensors)
+        if rule.values is not None:
+            for hf_name, hf_tensor in zip(rule.hf_names(indices), hf_tensors):
+                for block in hf_tensor.blocks if isinstance(hf_tensor, RowBlocks) else [hf_tensor]:
+                    validation.check_index_range(hf_name, block, 0, rule.values.end, rule.values.meaning,
+                                                 f"Megatron tensor {name}")
         yield from zip(rule.hf_names(indices), hf_tensors)
 
 

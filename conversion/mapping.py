@@ -7,7 +7,9 @@ An architecture's table is a list of rules, readable as data:
           "model.layers.*.self_attn.v_proj.weight"),
          FusedQKV(heads, kv_heads, head_dim))
 
-`*` stands for an integer (a layer index) and is carried from one side to the other in order.
+`*` stands for an integer (a layer index) and is carried from one side to the other in order. A rule of an
+integer table that indexes something (`Indices`) says what its values may be; they are checked on the way in
+and out.
 `MappingTable.check_coverage` proves that every Megatron tensor and every checkpoint tensor is
 claimed by exactly one rule.
 """
@@ -37,10 +39,20 @@ def fill_pattern(pattern: str, indices: tuple[str, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Indices:
+    """An integer tensor whose values index something of `end` entries (a hash router's token -> expert
+    table): every value must lie in [0, end); `meaning` says what they name, for the message."""
+
+    end: int
+    meaning: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     megatron: str
     hf: str | tuple[str, ...]
     transform: Transform = dataclasses.field(default_factory=Direct)
+    values: Indices | None = None  # an integer table's range, checked both ways
 
     @property
     def hf_patterns(self) -> tuple[str, ...]:

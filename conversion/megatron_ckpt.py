@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from conversion import safe_pickle
-from conversion.safetensors_io import CheckpointError
+from conversion.errors import CheckpointError
+from conversion.files import confined, read_bytes, read_json
+from conversion.safetensors_io import is_int
 from conversion.staging import create_staging_folder, publish_staging_folder, write_failure
 from conversion.torch_dist_streaming import ParameterData, load_groups, original_errors, streaming_save_strategy
 from conversion.transforms import RowBlocks
@@ -36,6 +38,8 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 HF_SUBDIR = "hf"
 METADATA_FILE = "modelzoo.json"
+# an iteration number or "release", and a newline: a longer tracker is not Megatron-LM's
+MAX_TRACKER_BYTES = 64
 
 
 def rank() -> int:
@@ -111,8 +115,8 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
     def write_side_files(staging: Path) -> None:
         (staging / TRACKER_FILE).write_text(RELEASE)
         (staging / HF_SUBDIR).mkdir()
-        for file in hf_files:
-            shutil.copy2(file, staging / HF_SUBDIR / file.name)
+        for file in hf_files:  # files of the source folder: refused if a link leads out of it (`files.confined`)
+            shutil.copy2(confined(file, file.parent), staging / HF_SUBDIR / file.name)
         if write_hf_side is not None:
             write_hf_side(staging / HF_SUBDIR)
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
@@ -128,26 +132,36 @@ def save(model: torch.nn.Module, folder: str | Path, metadata: dict, hf_files: l
 
 
 def read_metadata(folder: str | Path) -> dict:
-    """modelzoo.json of a checkpoint folder (a JSON object: architecture, dtype, the layout it was written at)."""
+    """modelzoo.json of a checkpoint folder: a JSON object; the architecture and the dtype (names), the layout it
+    was written at (counts of at least 1) and the architecture's options (an object) where it gives them."""
     folder = Path(folder)
     path = folder / METADATA_FILE
     if not (folder / TRACKER_FILE).exists() or not path.exists():
         raise CheckpointError(f"{folder} is not a modelzoo Megatron checkpoint (no {TRACKER_FILE} or {METADATA_FILE})")
-    try:
-        metadata = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not JSON ({error})") from None
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
+    metadata = read_json(path, folder)
+    if not all(isinstance(metadata.get(key), (str, type(None))) for key in ("architecture", "dtype")):
+        raise CheckpointError(f"{path}: architecture and dtype must be names")
+    for key in ("written_at_tp", "written_at_ep", "written_at_pp"):
+        value = metadata.get(key, 1)
+        if not is_int(value) or value < 1:
+            raise CheckpointError(f"{path}: {key} is {json.dumps(value)[:40]}; it must be an integer of at least 1")
+    if not isinstance(metadata.get("model_options", {}), dict):
+        raise CheckpointError(f"{path}: model_options must be a JSON object")
     return metadata
+
+
+def hf_side(folder: str | Path) -> Path:
+    """The checkpoint's `hf/` folder (its config and tokenizer files), which must lie in it (`files.confined`)."""
+    return confined(Path(folder) / HF_SUBDIR, folder, folder=True)
 
 
 def state_folder(folder: str | Path) -> Path:
     """The folder of the state the tracker file names: `release`, or `iter_0000100` for iteration 100 (as
-    Megatron-LM names them), and nothing else: the tracker cannot point outside the checkpoint."""
+    Megatron-LM names them), and nothing else: the tracker cannot point outside the checkpoint, nor can the
+    state folder be a link that leads out of it."""
     folder = Path(folder)
     tracker = folder / TRACKER_FILE
-    iteration = tracker.read_text(errors="replace").strip()
+    iteration = read_bytes(tracker, MAX_TRACKER_BYTES, folder).decode(errors="replace").strip()
     if iteration == RELEASE:
         state = folder / RELEASE
     elif iteration.isdigit() and iteration.isascii():
@@ -156,7 +170,7 @@ def state_folder(folder: str | Path) -> Path:
         raise CheckpointError(f"{tracker} holds {iteration[:40]!r}: an iteration number or {RELEASE!r} was expected")
     if not state.is_dir():
         raise CheckpointError(f"{tracker} names {state.name}, which is not a folder of {folder}")
-    return state
+    return confined(state, folder, folder=True)
 
 
 def check_stored_tensors(sharded_state_dict: dict, metadata, where: Path, dtypes: str | None = None) -> None:
@@ -199,7 +213,13 @@ def load(model: torch.nn.Module, folder: str | Path) -> None:
     model.load_state_dict(loaded["model"], strict=True)
 
 
-def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int = 256 * 2**20,
+def checked_state(folder: str | Path):
+    """The torch_dist metadata of the state a checkpoint's tracker names, every pickle of that folder read
+    safely first (`safe_pickle.check_folder`)."""
+    return safe_pickle.check_folder(state_folder(folder))
+
+
+def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int = 256 * 2**20, stored=None,
                    ) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:
     """Collective: `(name, this rank's tensor)` for every tensor of `model` (built on the meta device:
     `provider.provide_skeleton()`) read from a checkpoint written by `save` at any TP / EP size; a
@@ -210,13 +230,14 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     near one group. Each tensor carries its parameter's parallel attributes, so it can stand in for the
     model in `engine.export_hf_weights`; names are the whole model's (`engine.checkpoint_name_of`). Every rank
     must iterate to the end (the reads are collective).
-    The checkpoint is checked when this is called, before the first tensor is asked for.
+    The checkpoint is checked when this is called, before the first tensor is asked for (`stored`: what
+    `checked_state` returned for it, when the caller has checked it already).
     """
     from conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
 
     metadata = read_metadata(folder)
     state = state_folder(folder)
-    stored = safe_pickle.check_folder(state)
+    stored = stored if stored is not None else safe_pickle.check_folder(state)
     sharded_state_dict = model.sharded_state_dict()
     check_stored_tensors(sharded_state_dict, stored, state / safe_pickle.METADATA_FILE,
                          dtypes=f"{METADATA_FILE}'s dtype {metadata.get('dtype')}")

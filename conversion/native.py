@@ -19,13 +19,13 @@ with its kept scale wherever that scale still encodes the weight's values exactl
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from conversion import quantization as q
+from conversion.files import read_json
 from conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
 KEPT_SCALES_DIR = "kept_scales"  # beside an imported checkpoint's config.json (the Megatron checkpoint's hf/)
@@ -118,7 +118,9 @@ class KeptScales:
 
     def __init__(self, folder):
         self.reader = CheckpointReader(folder)
-        self.formats: dict[str, str] = json.loads((Path(folder) / self.FORMATS_FILE).read_text())
+        self.formats: dict[str, str] = read_json(Path(folder) / self.FORMATS_FILE, folder)
+        if not all(fmt in ("fp8", "mxfp4") for fmt in self.formats.values()):
+            raise CheckpointError(f"{Path(folder) / self.FORMATS_FILE} must map weight names to 'fp8' or 'mxfp4'")
 
     @classmethod
     def write(cls, view: CheckpointView, folder, max_shard_bytes: int = 2 * 2**30) -> int:

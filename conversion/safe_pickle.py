@@ -30,6 +30,7 @@ The list names what torch pickles there, private classes included (`_StorageInfo
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import os
@@ -38,11 +39,25 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from conversion.safetensors_io import CheckpointError, is_int
+from conversion.errors import CheckpointError
+from conversion.files import confined, read_bytes
+from conversion.safetensors_io import is_int
 
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}
 LEGACY_COMMON_FILE = "common.pt"
+# the most Megatron's metadata.json, a `.metadata` and a byte item or legacy common.pt may hold (written: a few
+# hundred bytes; a few MiB for a large model's chunks; a few KiB of common state or RNG states)
+MAX_CONFIG_BYTES = 2**20
+MAX_METADATA_BYTES = 2**30
+MAX_OBJECT_BYTES = 256 * 2**20
+# what a byte item's object may hold, each reference counted (a list holding one list ten times, nested 30
+# deep, is small in its pickle and 10**30 items to whoever walks it: Megatron's merge does)
+MAX_OBJECT_ITEMS = 10**6
+MAX_OBJECT_DEPTH = 100
+# a tensor's chunks cut its shape into at most this many pieces per chunk: the pieces of a grid (what
+# torch_dist writes: each dimension split evenly) are its chunks themselves
+MAX_PIECES_PER_CHUNK = 16
 
 _DCP = "torch.distributed.checkpoint"
 METADATA_CLASSES = frozenset({
@@ -120,12 +135,52 @@ def load_object(data: bytes, where: str):
                               f"{str(error).splitlines()[0] if str(error) else ''})") from None
 
 
+def _tensor_layout(storage, storage_offset, size, stride, *rest):
+    """`torch._utils._rebuild_tensor_v2`'s arguments, kept: where the tensor lies on its storage."""
+    return storage_offset, size, stride
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads the pickle of a `torch.save`d tensor for its layout alone: the arguments that rebuild it (offset,
+    sizes, strides, as stored), the storage not loaded. Resolves only what that pickle names."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _tensor_layout
+        if (module, name) == ("collections", "OrderedDict") or (module == "torch" and name.endswith("Storage")):
+            return super().find_class(module, name)  # named, not called
+        raise _refusal(self.where, f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return None  # the storage: not read
+
+
+def stored_layout(item, where: str) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(storage offset, sizes, strides) of the tensor a `torch.save` zip holds (`item`: a file object of it), as
+    its pickle says: torch.load onto the meta device reports no negative stride, it makes the tensor contiguous."""
+    try:
+        record = torch._C.PyTorchFileReader(item).get_record("data.pkl")
+        layout = _LayoutUnpickler(io.BytesIO(record), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever a garbled zip or pickle raises
+        raise CheckpointError(f"{where} is not a torch.save tensor ({type(error).__name__})") from None
+    if (not isinstance(layout, tuple) or len(layout) != 3 or not is_int(layout[0])
+            or not all(isinstance(part, tuple) and all(is_int(n) for n in part) for part in layout[1:])):
+        raise CheckpointError(f"{where} is not a torch.save tensor")
+    return layout
+
+
 def _is_shape(value) -> bool:
     return isinstance(value, tuple) and all(is_int(size) and size >= 0 for size in value)
 
 
 def _check_tensor_entry(path: Path, key: str, entry) -> None:
-    """A tensor's entry: a dtype, a global shape and chunks that tile it without overlap."""
+    """A tensor's entry: a dtype, a global shape and chunks that tile it without overlap (`_overlap_free`)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
 
     where = f"{path}: tensor {key}"
@@ -142,10 +197,62 @@ def _check_tensor_entry(path: Path, key: str, entry) -> None:
     if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(entry.size):
         raise CheckpointError(f"{where}: its chunks hold {sum(math.prod(s) for _, s in boxes)} elements, "
                               f"its shape {list(entry.size)} has {math.prod(entry.size)}")
-    for number, (offsets, sizes) in enumerate(boxes):
-        for other_offsets, other_sizes in boxes[number + 1:]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(offsets, sizes, other_offsets, other_sizes)):
-                raise CheckpointError(f"{where}: two of its chunks overlap")
+    overlap_free = _overlap_free(boxes)
+    if overlap_free is None:
+        raise CheckpointError(f"{where}: its {len(boxes)} chunks do not cut its shape {list(entry.size)} into a grid "
+                              f"(as torch_dist writes them)")
+    if not overlap_free:
+        raise CheckpointError(f"{where}: two of its chunks overlap")
+
+
+def _overlap_free(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool | None:
+    """Whether no two boxes (offsets, sizes) share an element; None when they are too far from a grid to tell
+    in time linear in their number. The boxes' edges cut each dimension into intervals, so the space into
+    cells; each cell a box covers is marked, and a cell marked twice is an overlap: as many marks as cells at
+    most before one is found, so the cells are bounded (`MAX_PIECES_PER_CHUNK` per box). Boxes holding no
+    element overlap nothing and are left out."""
+    boxes = [(offsets, sizes) for offsets, sizes in boxes if all(sizes)]
+    if not boxes:
+        return True
+    dims = len(boxes[0][0])
+    cuts = [sorted({offsets[d] for offsets, _ in boxes} | {offsets[d] + sizes[d] for offsets, sizes in boxes})
+            for d in range(dims)]
+    cells = math.prod(len(edges) - 1 for edges in cuts)
+    if cells > MAX_PIECES_PER_CHUNK * len(boxes):
+        return None
+    cell_of = [{edge: number for number, edge in enumerate(edges)} for edges in cuts]
+    strides = [math.prod(len(edges) - 1 for edges in cuts[d + 1:]) for d in range(dims)]
+    covered = bytearray(cells)
+    for offsets, sizes in boxes:
+        spans = [range(cell_of[d][offsets[d]], cell_of[d][offsets[d] + sizes[d]]) for d in range(dims)]
+        for cell in itertools.product(*spans):
+            flat = sum(index * stride for index, stride in zip(cell, strides))
+            if covered[flat]:
+                return False
+            covered[flat] = 1
+    return True
+
+
+def check_plain_object(value, where: str) -> None:
+    """Refuse an unpickled object that nests deeper than `MAX_OBJECT_DEPTH` or holds more than
+    `MAX_OBJECT_ITEMS` items, each reference counted: what a reader walks (Megatron merges the common state
+    into the loaded state), it must be able to walk. Walked without recursion, and stopped at the bound."""
+    stack, items = [(value, 1)], 0
+    while stack:
+        item, depth = stack.pop()
+        items += 1
+        if items > MAX_OBJECT_ITEMS:
+            raise CheckpointError(f"{where} holds more than {MAX_OBJECT_ITEMS} objects (each reference counted): "
+                                  "refused")
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        else:
+            continue
+        if depth >= MAX_OBJECT_DEPTH and children:
+            raise CheckpointError(f"{where} nests deeper than {MAX_OBJECT_DEPTH} levels: refused")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def check_folder(folder: str | os.PathLike):
@@ -158,25 +265,35 @@ def check_folder(folder: str | os.PathLike):
 
     folder = Path(folder)
     config = folder / CONFIG_FILE
+    if not (config.exists() or config.is_symlink()):
+        raise CheckpointError(f"{config} does not exist: {folder} is not a torch_dist checkpoint")
+    raw = read_bytes(config, MAX_CONFIG_BYTES, folder)
     try:
-        backend = json.loads(config.read_text()).get("sharded_backend")
-    except FileNotFoundError:
-        raise CheckpointError(f"{config} does not exist: {folder} is not a torch_dist checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        backend = json.loads(raw).get("sharded_backend")
+    except (ValueError, AttributeError, RecursionError):  # not UTF-8, not JSON, not an object
         raise CheckpointError(f"{config} is not a JSON object") from None
     if backend != "torch_dist":
-        raise CheckpointError(f"{config}: sharded_backend is {backend!r}, modelzoo reads 'torch_dist' checkpoints")
+        raise CheckpointError(f"{config}: sharded_backend is {str(backend)[:40]!r}, modelzoo reads 'torch_dist' "
+                              "checkpoints")
     metadata_path = folder / METADATA_FILE
+    if (metadata_path.exists() or metadata_path.is_symlink()) and \
+            confined(metadata_path, folder).stat().st_size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{metadata_path} holds more than {MAX_METADATA_BYTES} bytes, more than such a file can "
+                              "hold: refused")
     metadata = read_metadata(metadata_path)
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{metadata_path} is not torch_dist metadata (no entries or no storage map)")
+    chunk_bytes: dict = {}  # a tensor chunk's storage index -> the bytes of its elements
     for key, entry in entries.items():
         if not isinstance(key, str) or not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
-            raise CheckpointError(f"{metadata_path}: entry {key!r} is neither a tensor nor bytes")
+            raise CheckpointError(f"{metadata_path}: entry {str(key)[:80]!r} is neither a tensor nor bytes")
         if isinstance(entry, TensorStorageMetadata):
             _check_tensor_entry(metadata_path, key, entry)
             indices = [MetadataIndex(key, chunk.offsets) for chunk in entry.chunks]
+            itemsize = entry.properties.dtype.itemsize
+            chunk_bytes.update((index, math.prod(chunk.sizes) * itemsize)
+                               for index, chunk in zip(indices, entry.chunks))
         else:
             indices = [MetadataIndex(key)]
         if not all(index in storage for index in indices):
@@ -191,17 +308,41 @@ def check_folder(folder: str | os.PathLike):
             # a file of this folder by its plain name: no path, so nothing outside the folder is read
             if PurePosixPath(name).name != name or name in ("", ".", ".."):
                 raise CheckpointError(f"{metadata_path}: item {index.fqn} is in {name!r}, not a file of {folder}")
-            try:
-                file_sizes[name] = (folder / name).stat().st_size
-            except FileNotFoundError:
-                raise CheckpointError(f"{metadata_path}: item {index.fqn} is in {folder / name}, which does not exist") from None
+            if not ((folder / name).exists() or (folder / name).is_symlink()):
+                raise CheckpointError(f"{metadata_path}: item {index.fqn} is in {folder / name}, which does not exist")
+            file_sizes[name] = confined(folder / name, folder).stat().st_size
         if info.offset < 0 or info.length < 0 or info.offset + info.length > file_sizes[name]:
             raise CheckpointError(f"{folder / name} is truncated: item {index.fqn} spans bytes {info.offset} to "
                                   f"{info.offset + info.length} of a {file_sizes[name]}-byte file")
+        if info.length < chunk_bytes.get(index, 0):  # a torch.save zip holds its tensor's bytes as they are
+            raise CheckpointError(f"{folder / name}: item {index.fqn} holds {info.length} bytes, fewer than the "
+                                  f"{chunk_bytes[index]} of its chunk's elements")
         if isinstance(entries.get(index.fqn), BytesStorageMetadata):
+            if info.length > MAX_OBJECT_BYTES:
+                raise CheckpointError(f"{folder / name}: item {index.fqn} holds {info.length} bytes, more than the "
+                                      f"{MAX_OBJECT_BYTES} an object of a checkpoint may: refused")
             with open(folder / name, "rb") as file:
                 data = os.pread(file.fileno(), info.length, info.offset)
-            load_object(data, f"{folder / name}: item {index.fqn}")
-    if (folder / LEGACY_COMMON_FILE).exists():
-        load_object((folder / LEGACY_COMMON_FILE).read_bytes(), str(folder / LEGACY_COMMON_FILE))
+            where = f"{folder / name}: item {index.fqn}"
+            _check_byte_item(index.fqn, load_object(data, where), where)
+    common = folder / LEGACY_COMMON_FILE
+    if common.exists() or common.is_symlink():
+        _check_byte_item(LEGACY_COMMON_FILE, load_object(read_bytes(common, MAX_OBJECT_BYTES, folder), str(common)),
+                         str(common))
     return metadata
+
+
+def _check_byte_item(fqn: str, value, where: str) -> None:
+    """A byte item's object, as its readers will walk it (`check_plain_object`); the common state, which
+    Megatron merges into the loaded state dict, a dict (stored as a ShardedObject: a list of that one dict;
+    in a legacy common.pt, the dict itself)."""
+    check_plain_object(value, where)
+    if fqn == LEGACY_COMMON_FILE:
+        state = value
+    elif fqn.split("/")[0] == "common_state":
+        state = value[0] if isinstance(value, list) and len(value) == 1 else None
+    else:
+        return
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds {type(value).__name__} {str(value)[:40]!r}: the common state must be "
+                              "a dict")

@@ -32,7 +32,9 @@ from typing import NamedTuple
 import numpy
 import torch
 
+from conversion import validation
 from conversion.errors import CheckpointError
+from conversion.files import confined, read_json
 from conversion.staging import staged_folder
 from conversion.transforms import RowBlocks
 
@@ -301,10 +303,37 @@ class _RepeatedName(ValueError):
 
 def _unique_names(pairs: list[tuple[str, object]]) -> dict:
     """A JSON object's pairs as a dict, refusing a name given twice (json keeps the last one silently)."""
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise _RepeatedName(next(name for number, (name, _) in enumerate(pairs) if name in dict(pairs[:number])))
+    result = {}
+    for name, value in pairs:
+        if name in result:
+            raise _RepeatedName(name)
+        result[name] = value
     return result
+
+
+def _header_json(raw: bytes, path: Path) -> dict:
+    """A safetensors header's JSON as the safetensors library reads it: UTF-8 text (no other encoding, no
+    byte-order mark: Python's JSON reader would take both), an object with no name given twice."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not UTF-8 "
+                              f"(byte {error.start})") from None
+    if text.startswith("\ufeff"):
+        raise CheckpointError(f"{path} is not a safetensors file: its header starts with a byte-order mark")
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_names, parse_constant=_refuse_constant)
+    except _RepeatedName as error:
+        raise CheckpointError(f"{path}: its header names {error} twice") from None
+    except (ValueError, RecursionError):  # not JSON, NaN / Infinity, an integer of too many digits, too deep
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
+    return header
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def is_int(value) -> bool:
@@ -329,15 +358,10 @@ def _read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, tuple[int
                 raise CheckpointError(f"{path} is not a safetensors file: its header would be {header_length} bytes")
             if 8 + header_length > size:
                 raise CheckpointError(f"{path} is truncated: its header claims {header_length} bytes, the file has {size}")
-            header = json.loads(handle.read(header_length), object_pairs_hook=_unique_names)
+            raw = handle.read(header_length)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
-    except _RepeatedName as error:
-        raise CheckpointError(f"{path}: its header names {error} twice") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
+    header = _header_json(raw, path)
     data_size = size - 8 - header_length
     tensors, spans, ranges = {}, {}, []
     for name, entry in header.items():
@@ -401,27 +425,25 @@ class CheckpointReader:
 
     def _files(self) -> list[Path]:
         index = self.folder / INDEX_FILE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index} is not a valid index: no JSON weight_map") from None
+        if index.exists() or index.is_symlink():
+            weight_map = read_json(index, self.folder).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
                 raise CheckpointError(f"{index} is not a valid index: its weight_map must map names to file names")
             files = sorted({self._shard(index, shard) for shard in weight_map.values()})
             for file in files:
-                if not file.is_file():
+                if not (file.exists() or file.is_symlink()):
                     raise CheckpointError(f"{index} lists {file.name}, which does not exist")
+                confined(file, self.folder)
             return files
         single = self.folder / SINGLE_FILE
-        if not single.exists():
+        if not (single.exists() or single.is_symlink()):
             raise CheckpointError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        return [single]
+        return [confined(single, self.folder)]
 
     def _shard(self, index: Path, shard: str) -> Path:
         """A shard the index lists, which must lie in this folder: a relative path without `..`, in no
-        folder that links outside it. The file itself may be a link (an HF cache's snapshot links each
-        file to its blob)."""
+        folder that links outside it (the file itself may be a link within the rules of `files.confined`:
+        an HF cache's snapshot links each file to its blob)."""
         relative = PurePosixPath(shard)
         path = self.folder / relative
         if (relative.is_absolute() or ".." in relative.parts or not relative.parts
@@ -455,7 +477,7 @@ class ShardedWriter:
         with ShardedWriter(out_dir) as writer:
             for name, tensor in tensors:
                 writer.add(name, tensor)
-            writer.copy_file(src_dir / "config.json")
+            writer.copy_file(src_dir / "config.json", src_dir)
 
     Streams: each tensor's bytes go to its shard file when it is added, so memory stays one tensor,
     not one shard. A safetensors header (every tensor's offsets) comes before the data, so each shard
@@ -487,6 +509,7 @@ class ShardedWriter:
         if data.dtype not in _DTYPE_NAMES:
             raise CheckpointError(f"tensor {name}: safetensors has no dtype {data.dtype}")
         blocks = [block.detach().to("cpu") for block in data.blocks]
+        validation.check_written(name, blocks)
         size = sum(block.nbytes for block in blocks)
         if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes or self._header_length
                                        + _entry_length(name, _entry(data, self._shard_bytes, size)) > self.HEADER_BYTES):
@@ -503,8 +526,10 @@ class ShardedWriter:
         self._shard_bytes += size
         self.total_bytes += size
 
-    def copy_file(self, source: Path) -> None:
-        shutil.copy2(source, self.staging / source.name)
+    def copy_file(self, source: Path, folder: Path) -> None:
+        """Copy file `source` of checkpoint folder `folder` into the output (refused unless it lies in that
+        folder and is a regular file: `files.confined`)."""
+        shutil.copy2(confined(source, folder), self.staging / source.name)
 
     def write_json(self, name: str, content: dict) -> None:
         (self.staging / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")

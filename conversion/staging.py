@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from conversion.errors import CheckpointError
+from modelzoo.processes import check_not_interrupted
 
 
 # what the system says when an output cannot be written, in the words of the one line reported
@@ -96,6 +97,7 @@ def create_staging_folder(target: Path) -> Path:
 
 
 def publish_staging_folder(staging: Path, target: Path) -> None:
+    check_not_interrupted()  # a signal whose exception something swallowed: nothing is published after it
     if target.exists():
         raise CheckpointError(f"output folder {target} appeared while writing; nothing was replaced")
     os.replace(staging, target)

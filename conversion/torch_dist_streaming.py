@@ -61,7 +61,9 @@ import numpy
 import torch
 from tqdm import tqdm
 
-from conversion.safetensors_io import CheckpointError, RegionCopier, file_bytes
+from conversion import safe_pickle
+from conversion.errors import CheckpointError
+from conversion.safetensors_io import RegionCopier, file_bytes
 from conversion.transforms import RowBlocks
 
 
@@ -338,7 +340,7 @@ def streaming_load_strategy(metadata):
     )
     from torch.distributed import checkpoint
     from torch.distributed._shard._utils import narrow_tensor_by_index
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
@@ -353,6 +355,10 @@ def streaming_load_strategy(metadata):
         def __init__(self, path, deferred: set[int], pieces: list[tuple[torch.Tensor, torch.Tensor]], metadata):
             super().__init__(path)
             self.deferred, self.pieces, self.metadata = deferred, pieces, metadata
+            # each item holds its chunk, as the metadata describes it
+            self.chunk_sizes = {MetadataIndex(key, chunk.offsets): chunk.sizes
+                                for key, entry in metadata.state_dict_metadata.items()
+                                for chunk in getattr(entry, "chunks", ())}
 
         def read_metadata(self, *args, **kwargs):
             # what torch's read_metadata adds to the unpickled metadata; each load asks for it, and the
@@ -377,6 +383,11 @@ def streaming_load_strategy(metadata):
                             planner.load_bytes(item, io.BytesIO(stream.read(info.length)))
                             continue
                         saved = self._mapped_tensor(stream, info)
+                        chunk = self.chunk_sizes.get(item.storage_index)
+                        if chunk is not None and tuple(saved.size()) != tuple(chunk):
+                            raise CheckpointError(
+                                f"{self.path}/{relative_path}: the item of {item.storage_index.fqn} holds "
+                                f"{saved.dtype} {list(saved.size())}, its chunk in the metadata is {list(chunk)}")
                         target = planner.resolve_tensor(item).detach()
                         if (saved.dim() != len(item.storage_offsets) or target.dtype != saved.dtype or any(
                                 o + n > size for o, n, size in zip(item.storage_offsets, item.lengths, saved.size()))):
@@ -413,9 +424,14 @@ def streaming_load_strategy(metadata):
             if start + size > info.length:
                 raise CheckpointError(f"{where} holds {info.length} bytes, its tensor's data would end at byte "
                                       f"{start + size}")
+            # the layout as stored: the meta tensor reports a negative stride as a contiguous one
+            offset, sizes, strides = safe_pickle.stored_layout(self._slice_file(stream, info), where)
+            if tuple(sizes) != tuple(layout.size()) or any(stride < 0 for stride in strides) or offset < 0:
+                raise CheckpointError(f"{where}: its tensor of sizes {list(sizes)} has strides {list(strides)} from "
+                                      f"element {offset}: not a layout on its storage")
             data = file_bytes(stream, info.offset + start, size)
             try:
-                return data.view(layout.dtype).as_strided(layout.size(), layout.stride(), layout.storage_offset())
+                return data.view(layout.dtype).as_strided(sizes, strides, offset)
             except RuntimeError:
                 raise CheckpointError(f"{where}: its tensor lies outside its own storage") from None
 

@@ -14,6 +14,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from conversion import engine, validation
+from conversion.files import check_files_of
 from conversion.mapping import MappingError
 from modelzoo import runtime
 from modelzoo.registry import build_provider
@@ -47,7 +48,9 @@ def check_before_building(provider, read_values: bool = False) -> None:
     Megatron load does so as it goes; a transformers load does not)."""
     reader = provider.checkpoint_reader(provider.hf_dir)
     try:
-        validation.check_config_fits(provider.hf_config, reader)
+        tensors, elements = validation.reader_contents(reader)
+        validation.check_config_fits(provider.hf_config, str(reader.folder), elements, tensors,
+                                     provider.weights_per_unit)
         skeleton = provider.provide_skeleton()
         weights = engine.hf_weights(skeleton, provider.mapping(), reader)
         if read_values:
@@ -78,7 +81,9 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
     """For each batch of token ids: (token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model
     (full-sequence forward); the model is loaded once for all batches, once the checkpoint is checked."""
     with runtime.parallel(), validation.non_finite_allowed(allow_non_finite):
-        check_before_building(build_provider(hf_dir), read_values=True)
+        # in the dtype the HF model is loaded in: a value finite as stored may not be once cast
+        check_before_building(build_provider(hf_dir, params_dtype=dtype), read_values=True)
+    check_files_of(hf_dir)  # transformers opens whichever files it looks for: none may lead out of the folder
     model = load_hf_model(hf_dir, dtype).to(runtime.device())
     outputs = []
     for input_ids in batches:

@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from conversion import engine, megatron_ckpt
 from conversion.mapping import MappingTable
 from conversion.safetensors_io import CheckpointReader, ShardedWriter
+from conversion.validation import Bounds
 from modelzoo import context_parallel, runtime
 from modelzoo.attention import IMPLEMENTATIONS
 from modelzoo.logprobs import next_token_logprobs, vocab_parallel_logprobs
@@ -85,6 +86,14 @@ class ModelProvider:
     supports_context_parallel: ClassVar[bool] = False
     # the weight names inference engines load (vLLM, SGLang): `modelzoo.sync.WeightSync`'s default naming
     engine_naming: ClassVar[str] = "hf"
+    # the ranges of its config fields beyond the generic checks (`conversion.validation.check_config`): windows,
+    # ratios, iteration counts
+    config_bounds: ClassVar[dict[str, Bounds]] = {}
+    # count -> the fields whose product each unit of it holds weights of at least (every layer holds a norm of
+    # hidden_size), so that a config claiming more than its checkpoint holds is refused before a model is built
+    weights_per_unit: ClassVar[dict[str, tuple[str, ...]]] = {"num_hidden_layers": ("hidden_size",)}
+    # the options `model_options()` records in a Megatron checkpoint, with their types
+    recorded_options: ClassVar[dict[str, type]] = {}
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -110,6 +119,19 @@ class ModelProvider:
         """Keyword arguments of `build_provider` that rebuild this model from its config alone (a Megatron
         checkpoint records them: its HF side holds the config, not the weights the provider looked at)."""
         return {}
+
+    @classmethod
+    def check_recorded_options(cls, options: dict[str, Any], where: str) -> None:
+        """Refuse recorded options (`model_options`, read back from `where`) this architecture does not record,
+        or of another type: they are keyword arguments of `build_provider`, which also takes any
+        TransformerConfig field (`num_layers`), and a checkpoint may not choose those."""
+        for name, value in options.items():
+            kind = cls.recorded_options.get(name)
+            if kind is None:
+                raise ValueError(f"{where}: model option {name!r} is not one a {cls.name} checkpoint records "
+                                 f"({sorted(cls.recorded_options) or 'none'})")
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"{where}: model option {name!r} is {value!r}; it must be {kind.__name__}")
 
     def transformer_config_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -274,7 +296,7 @@ class ModelProvider:
                 writer.write_json("config.json", self.hf_config.to_dict())
             for file_name in ("config.json", *TOKENIZER_FILES):
                 if source is not None and (source / file_name).exists():
-                    writer.copy_file(source / file_name)
+                    writer.copy_file(source / file_name, source)
         return writer.total_bytes
 
     def save_checkpoint(self, model: torch.nn.Module, out_dir: str | Path, format: str = "hf",

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conversion.files import read_json
+
 if TYPE_CHECKING:
     from modelzoo.provider import ModelProvider
 
@@ -47,6 +49,10 @@ def list_architectures() -> list[str]:
 def provider_class(config: dict[str, Any], where: str = "config") -> type[ModelProvider]:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"{where}: model_type is {_shown(model_type)}; it must be a string")
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ValueError(f"{where}: architectures is {_shown(architectures)}; it must be a list of strings")
     # the built-in architectures first, then the others in the order they were registered
     candidates = {name: _PROVIDERS.get(name) or BUILTIN_ARCHITECTURES[name]
                   for name in [*BUILTIN_ARCHITECTURES, *_PROVIDERS]}
@@ -74,7 +80,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
     provider = provider_class(config, where)
     from conversion.validation import check_config  # here: it imports torch, which a refused model type does without
 
-    check_config(config, provider.hf_config_class(), where)
+    check_config(config, provider.hf_config_class(), where, provider.config_bounds)
     try:
         hf_config = provider.hf_config_class().from_dict(config)
     except Exception as error:  # noqa: BLE001 - whatever the config class's own validation raises is about this file
@@ -83,13 +89,17 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint folder: a JSON object, read as `conversion.files` reads a checkpoint's files."""
     path = Path(folder) / "config.json"
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    return read_json(path, folder)
+
+
+def _shown(value) -> str:
+    """A config value in a message: its JSON, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _provider(name: str) -> type[ModelProvider]:

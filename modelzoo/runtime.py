@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from modelzoo import cpu_compat
-from modelzoo.processes import RankFailed, interrupt_on_sigterm
+from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, exception_kinds, interrupt_on_signal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +153,14 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     returned: dict[int, Any] = {}
     try:
         while len(returned) < world_size:
+            check_not_interrupted()  # a signal whose exception was swallowed still stops the ranks
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value = results.get(timeout=0.1)
             except queue.Empty:
-                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in returned]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}") from None
+                _raise_if_one_died(processes, returned)
                 continue
             if not ok:  # the other ranks may be waiting on a collective with it: stop them all
+                _raise_if_one_died(processes, returned)  # a rank killed is why the others fail: it is named
                 raise RankFailed(rank, *value)
             returned[rank] = torch.load(io.BytesIO(value), weights_only=True)
     finally:
@@ -169,6 +169,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
                 process.kill()
             process.join()
     return [returned[rank] for rank in range(world_size)]
+
+
+def _raise_if_one_died(processes: list, returned: dict[int, Any]) -> None:
+    """`RankDied` for the first rank that ended without reporting (its exception or its result): killed."""
+    dead = [rank for rank, process in enumerate(processes) if process.exitcode not in (None, 0) and rank not in returned]
+    if dead:
+        raise RankDied(dead[0], processes[dead[0]].exitcode) from None
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -195,7 +202,8 @@ def _die_with_parent(parent: int) -> None:
 
 def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent: int) -> None:
     _die_with_parent(parent)
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    for number in (signal.SIGTERM, signal.SIGINT):  # the first unwinds like Ctrl-C, later ones do not cut it short
+        signal.signal(number, interrupt_on_signal)
     # tqdm's default lock is a multiprocessing semaphore, which a rank killed mid-run leaves to the resource
     # tracker (a warning at exit); the ranks' bars need no lock across processes
     tqdm.set_lock(threading.RLock())
@@ -215,7 +223,8 @@ def _rank_main(fn, rank: int, world_size: int, port: int, results, args, parent:
         torch.save(value, serialized)
         results.put((rank, True, serialized.getvalue()))
     except BaseException as error:  # noqa: BLE001 - the error travels to the parent
-        results.put((rank, False, (type(error).__name__, str(error), traceback.format_exc())))
+        results.put((rank, False, (type(error).__name__, str(error), traceback.format_exc(), exception_kinds(error),
+                                   getattr(error, "filename", None))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -57,6 +57,9 @@ class DeepseekV4Provider(ModelProvider):
     has_experts = True
     supports_context_parallel = True
     engine_naming = "native"  # vLLM and SGLang load V4 by its release names (hc_head, attn.norm, ... included)
+    config_bounds = v4_config.CONFIG_BOUNDS
+    weights_per_unit = v4_config.WEIGHTS_PER_UNIT
+    recorded_options = {"build_mtp": bool}
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False,

@@ -7,7 +7,7 @@ the `model.` prefix but reverts most leaves to the release's native names (`attn
 the release's native names (`mtp.K.*`, with `attn.kv_norm` and `hc_head_*`).
 """
 
-from conversion.mapping import MappingTable, Rule
+from conversion.mapping import Indices, MappingTable, Rule
 from conversion.transforms import PadVocab, Stack
 
 
@@ -39,7 +39,7 @@ def _layer_rules(mg: str, hf: str, num_experts: int, kv_norm: str) -> list[Rule]
         Rule(f"{idx}.linear_weights.weight", f"{hf}.attn.indexer.weights_proj.weight"),
         Rule(f"{mg}.mlp.router.weight", f"{hf}.ffn.gate.weight"),
         Rule(f"{mg}.mlp.router.expert_bias", f"{hf}.ffn.gate.bias"),
-        Rule(f"{mg}.mlp.router.tid2eid", f"{hf}.ffn.gate.tid2eid"),
+        Rule(f"{mg}.mlp.router.tid2eid", f"{hf}.ffn.gate.tid2eid", values=Indices(num_experts, "routed experts")),
         *experts,
         Rule(f"{mg}.mlp.shared_experts.linear_fc1_gate.weight", f"{hf}.ffn.shared_experts.w1.weight"),
         Rule(f"{mg}.mlp.shared_experts.linear_fc1_up.weight", f"{hf}.ffn.shared_experts.w3.weight"),

@@ -15,12 +15,33 @@ import math
 import torch
 from transformers import DeepseekV4Config
 
+from conversion.validation import Bounds
 from modelzoo.provider import SWIGLU_RMSNORM_FIELDS
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 ROPE_TYPES = ("default", "yarn")
+
+# the ranges of the fields the generic config checks do not bound (conversion/validation.py)
+CONFIG_BOUNDS = {
+    "sliding_window": Bounds(1, why="the keys each query sees in the sliding window, its own included"),
+    "compress_rates.*": Bounds(1, integer=True, why="the positions each compressed entry pools"),
+    "partial_rotary_factor": Bounds(0, 1, above_low=True, why="the fraction of head_dim that RoPE rotates"),
+    "hc_sinkhorn_iters": Bounds(1, 1000, why="Sinkhorn iterations of every hyper-connection in every forward; "
+                                           "the release runs 20"),
+    **{name: Bounds(1, why="a size of the model") for name in (
+        "hc_mult", "o_groups", "o_lora_rank", "q_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
+        "n_routed_experts", "num_experts_per_tok")},
+    "routed_scaling_factor": Bounds(0, above_low=True, why="it scales the routed experts' output"),
+    "swiglu_limit": Bounds(0, above_low=True, why="the routed experts clamp their pre-activations to it"),
+}
+# count -> fields whose product each unit of it holds weights of at least (ModelProvider.weights_per_unit)
+WEIGHTS_PER_UNIT = {
+    "num_hidden_layers": ("hidden_size",), "num_nextn_predict_layers": ("hidden_size",),
+    "n_routed_experts": ("hidden_size", "moe_intermediate_size"), "hc_mult": ("hidden_size",),
+    "q_lora_rank": ("hidden_size",), "o_lora_rank": ("o_groups",), "index_n_heads": ("index_head_dim",),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +169,19 @@ def check_supported(hf: DeepseekV4Config, where: str = "deepseek_v4 config") -> 
     rotary = int(hf.head_dim * hf.partial_rotary_factor)
     if rotary % 2 or rotary > hf.head_dim:
         problems.append(f"rotary dim {rotary} (head_dim * partial_rotary_factor) must be even and <= head_dim")
+    if hf.num_experts_per_tok > hf.n_routed_experts:
+        problems.append(f"num_experts_per_tok={hf.num_experts_per_tok} (more than the {hf.n_routed_experts} "
+                        f"routed experts)")
+    missing = sorted({kind for kind in hf.layer_types or () if kind != SLIDING} - set(hf.compress_rates or {}))
+    if missing:
+        problems.append(f"compress_rates without a rate for {missing} (layer types of layer_types)")
+    # positions a query sees, picks among or that an entry pools: no more than there are
+    lengths = {"sliding_window": hf.sliding_window, "index_topk": hf.index_topk,
+               **{f"compress_rates[{kind!r}]": rate for kind, rate in (hf.compress_rates or {}).items()}}
+    for name, length in lengths.items():
+        if isinstance(length, int) and length > hf.max_position_embeddings:
+            problems.append(f"{name}={length} (more than the {hf.max_position_embeddings} positions, "
+                            f"max_position_embeddings)")
     for kind, params in (hf.rope_parameters or {}).items():
         if isinstance(params, dict) and params.get("rope_type", "default") not in ROPE_TYPES:
             problems.append(f"rope_parameters[{kind!r}].rope_type {params.get('rope_type')!r} (only {ROPE_TYPES})")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from conversion import quantization as q
+from conversion.files import confined, read_json
 from conversion.native import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
 from conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
 
@@ -166,7 +167,7 @@ def source_scale_format(folder) -> str:
     folder = Path(folder)
     config_file = folder / "config.json"
     if config_file.exists():
-        qc = json.loads(config_file.read_text()).get("quantization_config") or {}
+        qc = read_json(config_file, folder).get("quantization_config") or {}
         if qc.get("quant_method") == "fp8":
             return "e8m0" if str(qc.get("scale_fmt", "float32")).lower() in ("ue8m0", "e8m0") else "f32"
     if not any(folder.glob("*.safetensors")):
@@ -202,7 +203,8 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     if scale_format is None:
         scale_format = source_scale_format(source) if source is not None else "e8m0"
     kept_folder = source / KEPT_SCALES_DIR if source is not None else None
-    kept = KeptScales(kept_folder) if quantize and kept_folder is not None and kept_folder.is_dir() else None
+    kept = KeptScales(confined(kept_folder, source, folder=True)) \
+        if quantize and kept_folder is not None and kept_folder.is_dir() else None
     experts = experts or _expert_format(kept)
     try:
         tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept)
@@ -210,7 +212,7 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
             for _ in tensors:
                 pass
             return 0
-        config = json.loads((source / "config.json").read_text()) \
+        config = read_json(source / "config.json", source) \
             if source is not None and (source / "config.json").exists() else provider.hf_config.to_dict()
         with ShardedWriter(out_dir, max_shard_bytes) as writer:
             for name, tensor in tensors:
@@ -218,7 +220,7 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
             writer.write_json("config.json", export_config(config, quantize, experts, scale_format))
             for file_name in TOKENIZER_FILES:
                 if source is not None and (source / file_name).exists():
-                    writer.copy_file(source / file_name)
+                    writer.copy_file(source / file_name, source)
         return writer.total_bytes
     finally:
         if kept is not None:

@@ -21,9 +21,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from conversion import safe_pickle
+from conversion import safe_pickle, validation
+from conversion.errors import CheckpointError
+from conversion.files import confined, read_json
 from conversion.megatron_ckpt import check_stored_tensors, rank, save_sharded_state
-from conversion.safetensors_io import CheckpointError
+from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from conversion.torch_dist_streaming import original_errors, streaming_load_strategy
 from modelzoo import runtime
 from modelzoo.lora.export import NAMINGS, lora_config, save_adapter
 from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like
@@ -131,29 +134,62 @@ def save_training_checkpoint(model: torch.nn.Module, provider, folder: str | Pat
 
 
 def read_checkpoint_metadata(folder: str | Path) -> dict:
+    """lora.json of a LoRA checkpoint, every field checked by type and range (the LoRA settings by `LoRAConfig`,
+    see `lora_settings`)."""
     path = Path(folder) / METADATA_FILE
     if not path.exists() or not (Path(folder) / STATE_DIR).is_dir():
         raise CheckpointError(f"{folder} is not a modelzoo LoRA checkpoint (no {METADATA_FILE} or {STATE_DIR}/)")
-    try:
-        metadata = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not JSON ({error})") from None
+    metadata = read_json(path, folder)
     fields = {"architecture": str, "params_dtype": str, "lora": dict, "world_size": int, "step": int, "optimizer": bool}
-    wrong = [key for key, kind in fields.items() if not isinstance(metadata, dict) or not isinstance(metadata.get(key), kind)]
+    wrong = [key for key, kind in fields.items() if not isinstance(metadata.get(key), kind)
+             or (kind is int and isinstance(metadata[key], bool))]
     if wrong:
         raise CheckpointError(f"{path} must be a JSON object with {', '.join(wrong)} ({', '.join(fields)})")
     if metadata["params_dtype"] not in PARAMS_DTYPES:
-        raise CheckpointError(f"{path}: params_dtype {metadata['params_dtype']!r} is not one of {sorted(PARAMS_DTYPES)}")
+        raise CheckpointError(f"{path}: params_dtype {metadata['params_dtype']!r:.40} is not one of "
+                              f"{sorted(PARAMS_DTYPES)}")
+    for key, least in (("world_size", 1), ("step", 0), ("tensor_parallel", 1)):
+        value = metadata.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 2**63:
+            raise CheckpointError(f"{path}: {key} is {value!r:.40}; it must be an integer of at least {least}")
+    if not isinstance(metadata.get("base"), (str, type(None))):
+        raise CheckpointError(f"{path}: base must be a folder name or null")
     return metadata
 
 
-def _state_folder(folder: str | Path, template: dict) -> str:
-    """The checkpoint's state folder, its pickles read safely (conversion/safe_pickle.py) and its tensors
-    checked against `template` before Megatron reads it."""
-    state = Path(folder) / STATE_DIR
+def lora_settings(metadata: dict, folder: str | Path) -> LoRAConfig:
+    """The `LoRAConfig` lora.json records, each value checked (`LoRAConfig`'s own checks)."""
+    try:
+        return LoRAConfig(**metadata["lora"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{Path(folder) / METADATA_FILE}: its lora settings are not a LoRAConfig "
+                              f"({error})") from None
+
+
+def check_adapter_rank(stored, config: LoRAConfig, where: Path) -> None:
+    """The adapters the checkpoint's metadata (`stored`) describes against lora.json's rank, before adapters
+    of that rank are made: A is [rank, in], B [out, rank]."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    adapters = {key: entry for key, entry in stored.state_dict_metadata.items()
+                if isinstance(entry, TensorStorageMetadata) and key.endswith((".lora.A", ".lora.B"))}
+    if not adapters:
+        raise CheckpointError(f"{where} holds no LoRA adapter tensors")
+    for key, entry in adapters.items():
+        rank = entry.size[0] if key.endswith(".A") else entry.size[-1] if len(entry.size) else None
+        if rank != config.rank:
+            raise CheckpointError(f"{where}: adapter {key} has shape {list(entry.size)}, not of the rank "
+                                  f"{config.rank} that {METADATA_FILE} records")
+
+
+def _state_folder(folder: str | Path, template: dict):
+    """The checkpoint's state folder (which must lie in `folder`), its pickles read safely
+    (conversion/safe_pickle.py) and its tensors checked against `template` before Megatron reads it; and the
+    strategy that loads it, which checks every item it reads (`streaming_load_strategy`)."""
+    state = confined(Path(folder) / STATE_DIR, folder, folder=True)
     stored = safe_pickle.check_folder(state)
     check_stored_tensors(template, stored, state / safe_pickle.METADATA_FILE)
-    return str(state)
+    return str(state), streaming_load_strategy(stored)
 
 
 def _copy_adapters(model: torch.nn.Module, loaded: dict) -> None:
@@ -168,7 +204,9 @@ def load_adapter_checkpoint(model: torch.nn.Module, folder: str | Path) -> dict:
 
     metadata = read_checkpoint_metadata(folder)
     template = {"adapter": _adapter_state(model)}
-    loaded = dist_checkpointing.load(template, _state_folder(folder, template))
+    state_dir, strategy = _state_folder(folder, template)
+    with original_errors():
+        loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
     _copy_adapters(model, loaded["adapter"])
     return metadata
 
@@ -184,11 +222,12 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
     if optimizer is not None and not metadata["optimizer"]:
         raise CheckpointError(f"{folder} was saved without optimizer state")
     template = {"adapter": _adapter_state(model), "rng": _rng_state()}
-    state_dir = _state_folder(folder, template)
+    state_dir, strategy = _state_folder(folder, template)
     if optimizer is not None:
         saved = dist_checkpointing.load_common_state_dict(state_dir)["optimizer"]
         template["optimizer"] = _optimizer_template(model, saved)
-    loaded = dist_checkpointing.load(template, state_dir)
+    with original_errors():
+        loaded = dist_checkpointing.load(template, state_dir, sharded_strategy=strategy)
     _copy_adapters(model, loaded["adapter"])
     if optimizer is not None:
         optimizer.load_state_dict(_torch_optimizer_state(model, optimizer, loaded["optimizer"]))
@@ -197,21 +236,26 @@ def resume_training(model: torch.nn.Module, folder: str | Path, optimizer=None) 
 
 
 def _export_adapter_rank(rank: int, checkpoint_dir: str, out_dir: str, tp: int, base: str, params_dtype: str,
-                         config: LoRAConfig, naming: str) -> None:
+                         config: LoRAConfig, naming: str, allow_non_finite: bool = False) -> None:
     from modelzoo.registry import build_provider
 
-    with runtime.parallel(tp=tp):
+    with runtime.parallel(tp=tp), validation.non_finite_allowed(allow_non_finite):
         provider = build_provider(base, params_dtype=PARAMS_DTYPES[params_dtype])
-        model = provider.provide()  # the base weights are not needed: only the adapters are written
+        # the rank lora.json records sizes the adapters: checked against the stored ones before any is made
+        state = confined(Path(checkpoint_dir) / STATE_DIR, checkpoint_dir, folder=True)
+        check_adapter_rank(safe_pickle.check_folder(state), config, state / safe_pickle.METADATA_FILE)
+        model = provider.provide_skeleton()  # no base weights: only the adapters, real, are read and written
         apply_lora(model, provider, config)
         load_adapter_checkpoint(model, checkpoint_dir)
         save_adapter(model, provider, out_dir, naming)
 
 
 def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
-                   base_dir: str | Path | None = None, naming: str = "transformers") -> dict:
+                   base_dir: str | Path | None = None, naming: str = "transformers",
+                   allow_non_finite: bool = False) -> dict:
     """`modelzoo export-adapter`: a LoRA training checkpoint -> a PEFT adapter folder, on `tp` ranks; `naming`:
-    "transformers" (the HF model class's module names, what peft loads onto) or "release" (the checkpoint's)."""
+    "transformers" (the HF model class's module names, what peft loads onto) or "release" (the checkpoint's).
+    Adapter tensors with NaN or infinite values are refused unless `allow_non_finite`."""
     from modelzoo.registry import build_provider
 
     if naming not in NAMINGS:
@@ -222,16 +266,19 @@ def export_adapter(checkpoint_dir: str | Path, out_dir: str | Path, tp: int = 1,
         raise ValueError(f"{checkpoint_dir} records no base checkpoint folder: give it (--base)")
     if Path(out_dir).exists():
         raise FileExistsError(f"output {out_dir} already exists; choose a new path or remove it")
-    try:
-        config = LoRAConfig(**metadata["lora"])
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{Path(checkpoint_dir) / METADATA_FILE}: its lora settings are not a LoRAConfig "
-                              f"({error})") from None
+    config = lora_settings(metadata, checkpoint_dir)
     provider = build_provider(base)
     if provider.name != metadata["architecture"]:
         raise ValueError(f"{checkpoint_dir} holds {metadata['architecture']} adapters; {base} is a "
                          f"{provider.name} model")
     provider.check_parallel_layout(tp)
+    if any((Path(base) / name).exists() for name in (SINGLE_FILE, INDEX_FILE)):  # its config against its weights
+        reader = CheckpointReader(base)
+        try:
+            tensors, elements = validation.reader_contents(reader)
+            validation.check_config_fits(provider.hf_config, str(base), elements, tensors, provider.weights_per_unit)
+        finally:
+            reader.close()
     runtime.run(_export_adapter_rank, tp, str(checkpoint_dir), str(out_dir), tp, str(base), metadata["params_dtype"],
-                config, naming)
+                config, naming, allow_non_finite)
     return {"architecture": provider.name, "step": metadata["step"], "output": str(out_dir)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
-from conversion import engine, megatron_ckpt
+from conversion import engine, megatron_ckpt, validation
 from conversion.mapping import compile_pattern, fill_pattern
 from conversion.staging import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
@@ -173,7 +173,8 @@ def _leaf(module: str) -> str:
 
 def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: str = "transformers") -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` (PEFT layout) atomically, modules named as `naming`
-    says. Collective: every rank calls it, rank 0 writes; an existing `out_dir` is refused."""
+    says; a tensor with NaN or infinite values is refused unless allowed (`validation.non_finite_allowed`).
+    Collective: every rank calls it, rank 0 writes; an existing `out_dir` is refused."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -183,8 +184,11 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: 
             pass
         return out_dir
     collected = {name: tensor.clone() for name, tensor in tensors}  # a fused layer's projections share one A
+    for name, tensor in collected.items():
+        validation.check_written(name, [tensor])
+    # strict JSON: a NaN or infinite value is an error here, not `NaN` in the file
+    config = json.dumps(peft_config(model, provider, naming), indent=2, sort_keys=True, allow_nan=False) + "\n"
     with staged_folder(out_dir) as staging:
         save_file(collected, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config(model, provider, naming), indent=2,
-                                                         sort_keys=True) + "\n")
+        (staging / ADAPTER_CONFIG).write_text(config)
     return out_dir

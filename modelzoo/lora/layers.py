@@ -36,6 +36,7 @@ from torch import nn
 
 from conversion.engine import ShardLayout
 from conversion.transforms import FusedGateUp
+from modelzoo import runtime
 from modelzoo.lora.targets import compile_module_pattern, projections, resolve, target_table, weight_rule
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
@@ -50,16 +51,34 @@ class LoRAConfig:
     seed: int = 0  # A is drawn from (seed, module name) at its full shape: the same adapter at every TP size
 
     def __post_init__(self):
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        object.__setattr__(self, "targets", targets)
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        # every value checked by type and range before it sizes an adapter or reaches adapter_config.json
+        # (a config read back from a checkpoint's lora.json may hold anything JSON holds)
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        elif isinstance(self.targets, (list, tuple)) and all(isinstance(target, str) for target in self.targets):
+            object.__setattr__(self, "targets", tuple(self.targets))
+        else:
+            raise ValueError(f"LoRA targets must be a name or a list of names, got {self.targets!r:.80}")
+        if not _is_int(self.rank) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r:.80}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"LoRA seed must be an integer in [0, 2**63), got {self.seed!r:.80}")
+        if not _is_real(self.alpha) or not math.isfinite(self.alpha):
+            raise ValueError(f"LoRA alpha must be a finite number, got {self.alpha!r:.80}")
+        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be a number in [0, 1), got {self.dropout!r:.80}")
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class LoRAAdapter(nn.Module):
@@ -79,7 +98,8 @@ class LoRAAdapter(nn.Module):
         full_a = torch.empty(config.rank, full_in).uniform_(-bound, bound, generator=generator)
         local_a = full_a.chunk(tp, dim=1)[tp_rank] if kind == ROW else full_a
         local_out = full_out // tp if kind == COLUMN else full_out
-        like = dict(dtype=base_weight.dtype, device=base_weight.device)
+        # on a model built on the meta device (export-adapter needs no base weights) the adapter is real
+        like = dict(dtype=base_weight.dtype, device=runtime.device() if base_weight.is_meta else base_weight.device)
         self.A = nn.Parameter(local_a.to(**like).contiguous())
         self.B = nn.Parameter(torch.zeros(local_out, config.rank, **like))
         for param in (self.A, self.B):  # the weight engine moves base weights; adapters have their own export
