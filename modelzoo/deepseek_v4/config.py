@@ -175,8 +175,9 @@ def check_supported(hf: DeepseekV4Config, where: str = "deepseek_v4 config") -> 
     missing = sorted({kind for kind in hf.layer_types or () if kind != SLIDING} - set(hf.compress_rates or {}))
     if missing:
         problems.append(f"compress_rates without a rate for {missing} (layer types of layer_types)")
-    # positions a query sees, picks among or that an entry pools: no more than there are
-    lengths = {"sliding_window": hf.sliding_window, "index_topk": hf.index_topk,
+    # positions a query sees or that an entry pools: no more than there are (index_topk may exceed the entries: the
+    # indexer keeps min(index_topk, entries), so a larger one keeps them all)
+    lengths = {"sliding_window": hf.sliding_window,
                **{f"compress_rates[{kind!r}]": rate for kind, rate in (hf.compress_rates or {}).items()}}
     for name, length in lengths.items():
         if isinstance(length, int) and length > hf.max_position_embeddings:
