@@ -1198,7 +1198,7 @@ def billion_laughs() -> list:
 
 COMMON_STATES = {
     "a string": (torch_saved("common"), r"holds str 'common': the common state must be a dict"),
-    "a list of numbers": (torch_saved([1, 2]), r"holds list '\[1, 2\]': the common state must be a dict"),
+    "a list of numbers": (torch_saved([1, 2]), r"holds list \[1, 2\]: the common state must be a dict"),
     "nested 200,000 deep": (deeply_nested_list(200_000), r"nests deeper than 100 levels"),
     "a billion laughs": (torch_saved([billion_laughs()]), r"holds more than 1000000 objects"),
 }
