@@ -230,7 +230,13 @@ class RegionCopier:
     def check(self, check: Callable[..., None], *args) -> None:
         """`check(*args)` (it raises what it finds) on the checking thread, while the caller goes on: a check
         that reads every byte of what is written (`validation.check_written`) runs beside the kernel's
-        copies instead of before them. Its error is raised by a later call, at the latest by `finish()`."""
+        copies instead of before them. Its error is raised by a later call, at the latest by `finish()`.
+        Where the files cannot be copied between, it runs here, before the caller writes the bytes from
+        memory: the write then reads pages the check mapped in (two threads reading the same map's pages
+        for the first time wait on each other's page faults)."""
+        if not self.copies:
+            check(*args)
+            return
         if self._checker is None:
             self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="region-checker")
         self._raise_failed()
