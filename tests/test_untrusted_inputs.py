@@ -1422,6 +1422,40 @@ def test_two_sigterms_50_ms_apart_leave_no_staging_folder(tmp_path, whom):
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
+# the publish is the first SIGTERM's moment, the removal of what was staged the second's
+SIGNALLED_TWICE = '''
+import os, shutil, signal
+_replace, _rmtree = os.replace, shutil.rmtree
+
+
+def replace(source, target, *args, **kwargs):
+    if ".partial-" in os.fspath(source):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _replace(source, target, *args, **kwargs)
+
+
+def rmtree(path, *args, **kwargs):
+    if ".partial-" in os.fspath(path):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _rmtree(path, *args, **kwargs)
+
+
+os.replace, shutil.rmtree = replace, rmtree
+'''
+
+
+def test_a_second_sigterm_during_the_clean_up_of_the_first_does_not_cut_it_short(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SIGNALLED_TWICE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written"
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
 # in the first process of the run that imports conversion.engine (after the command's signal handlers are in
 # place), a SIGTERM arrives and its exception is swallowed, as a library's broad `except` around an import would
 SWALLOWING = '''
