@@ -276,7 +276,7 @@ class EndsWhileLookedAt:
 
 def test_an_error_of_a_copy_ending_while_the_pending_ones_are_looked_at_is_not_lost():
     copier = safetensors_io.RegionCopier()
-    copier._pending = [EndsWhileLookedAt()]
+    copier._pending = [(EndsWhileLookedAt(), 0)]
     copier._raise_failed()  # sorts the pending ones into done and running
     with pytest.raises(OSError, match="the copy failed"):
         copier.finish()
