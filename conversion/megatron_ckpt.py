@@ -31,7 +31,13 @@ from conversion.errors import CheckpointError
 from conversion.files import confined, read_bytes, read_json
 from conversion.safetensors_io import is_int
 from conversion.staging import create_staging_folder, publish_staging_folder, write_failure
-from conversion.torch_dist_streaming import ParameterData, load_groups, original_errors, streaming_save_strategy
+from conversion.torch_dist_streaming import (
+    ParameterData,
+    load_groups,
+    original_errors,
+    streaming_load_strategy,
+    streaming_save_strategy,
+)
 from conversion.transforms import RowBlocks
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -207,9 +213,11 @@ def load(model: torch.nn.Module, folder: str | Path) -> None:
     read_metadata(folder)
     state = state_folder(folder)
     sharded_state_dict = {"model": model.sharded_state_dict()}
-    check_stored_tensors(sharded_state_dict, safe_pickle.check_folder(state), state / safe_pickle.METADATA_FILE)
-    with original_errors():
-        loaded = dist_checkpointing.load(sharded_state_dict, str(state))
+    stored = safe_pickle.check_folder(state)
+    check_stored_tensors(sharded_state_dict, stored, state / safe_pickle.METADATA_FILE)
+    with original_errors():  # the streaming strategy checks each item it reads against its chunk
+        loaded = dist_checkpointing.load(sharded_state_dict, str(state),
+                                         sharded_strategy=streaming_load_strategy(stored))
     model.load_state_dict(loaded["model"], strict=True)
 
 

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import pickle
+import reprlib
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -344,5 +345,5 @@ def _check_byte_item(fqn: str, value, where: str) -> None:
     else:
         return
     if not isinstance(state, dict):
-        raise CheckpointError(f"{where} holds {type(value).__name__} {str(value)[:40]!r}: the common state must be "
-                              "a dict")
+        raise CheckpointError(f"{where} holds {type(value).__name__} {reprlib.repr(value)}: the common state must "
+                              "be a dict")

@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import weakref
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -187,13 +188,20 @@ class RegionCopier:
     writes every tensor itself. The later ones run on one worker thread while the caller goes on making
     and writing what comes next (the kernel copies with the GIL released): a copy's place in the file is
     known from its size, so the caller writes on after it (one that finds its files cannot be copied
-    between writes the bytes from memory itself). `finish()` waits for them and raises their errors;
-    the destination file must not be closed before (`with RegionCopier() as copier`, or `close()`)."""
+    between writes the bytes from memory itself). `check` runs a check of what is written on a thread of
+    its own, beside the copies and the caller. The tensors whose copies or checks are pending stay alive
+    (and mapped) until done: past `MAX_IN_FLIGHT_BYTES` of them the caller waits for the oldest, so that a
+    caller faster than the copies does not map the checkpoint ahead of them. `finish()` waits for them all
+    and raises their errors; the destination file must not be closed before (`with RegionCopier() as
+    copier`, or `close()`)."""
+
+    MAX_IN_FLIGHT_BYTES = 256 * 2**20
 
     def __init__(self):
         self.copies = hasattr(os, "copy_file_range")
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: list[concurrent.futures.Future] = []
+        self._checker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[tuple[concurrent.futures.Future, int]] = []  # with the bytes each keeps alive
 
     def __enter__(self) -> RegionCopier:
         return self
@@ -219,10 +227,29 @@ class RegionCopier:
                 return False
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="region-copier")
         else:
-            self._raise_failed()
-            self._pending.append(self._worker.submit(_copy_or_write, region, file.fileno(), position, size, what, source))
+            self._submit(self._worker, size, _copy_or_write, region, file.fileno(), position, size, what, source)
         file.seek(position + size)  # the copy writes at its own offsets; the file goes on after it
         return True
+
+    def check(self, size: int, check: Callable[..., None], *args) -> None:
+        """`check(*args)` (it raises what it finds) on the checking thread, while the caller goes on: a check
+        that reads every byte of what is written (`validation.check_written`) runs beside the kernel's
+        copies instead of before them. Its error is raised by a later call, at the latest by `finish()`.
+        Where the files cannot be copied between, it runs here, before the caller writes the bytes from
+        memory: the write then reads pages the check mapped in (two threads reading the same map's pages
+        for the first time wait on each other's page faults). `size`: the bytes its arguments keep alive."""
+        if not self.copies:
+            check(*args)
+            return
+        if self._checker is None:
+            self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="region-checker")
+        self._submit(self._checker, size, check, *args)
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, size: int, work: Callable[..., None], *args) -> None:
+        self._raise_failed()
+        self._pending.append((pool.submit(work, *args), size))
+        while len(self._pending) > 1 and sum(held for _, held in self._pending) > self.MAX_IN_FLIGHT_BYTES:
+            self._pending.pop(0)[0].result()  # the oldest: its error is raised here
 
     def write(self, file: io.BufferedWriter, blocks: list[torch.Tensor], what: str) -> None:
         """Append the blocks' bytes to `file`, one after the other: each copied from the file it is a
@@ -236,7 +263,7 @@ class RegionCopier:
     def finish(self, raise_errors: bool = True) -> None:
         """Wait for every copy; raise the first one's error (`raise_errors`)."""
         pending, self._pending = self._pending, []
-        errors = [future.exception() for future in pending]
+        errors = [future.exception() for future, _ in pending]
         if raise_errors and any(errors):
             raise next(error for error in errors if error is not None)
 
@@ -244,14 +271,17 @@ class RegionCopier:
         """Wait for every copy (their errors dropped: the caller is failing already, or has `finish`ed)
         and stop the worker thread."""
         self.finish(raise_errors=False)
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
+        for pool in (self._worker, self._checker):
+            if pool is not None:
+                pool.shutdown()
+        self._worker = self._checker = None
 
     def _raise_failed(self) -> None:
-        done = [future for future in self._pending if future.done()]
-        self._pending = [future for future in self._pending if not future.done()]
-        for future in done:
+        done, running = [], []
+        for future, size in self._pending:  # each looked at once: one that ends meanwhile is in one list, not neither
+            (done if future.done() else running).append((future, size))
+        self._pending = running
+        for future, _ in done:
             future.result()
 
 
@@ -509,7 +539,8 @@ class ShardedWriter:
         if data.dtype not in _DTYPE_NAMES:
             raise CheckpointError(f"tensor {name}: safetensors has no dtype {data.dtype}")
         blocks = [block.detach().to("cpu") for block in data.blocks]
-        validation.check_written(name, blocks)
+        if validation.refuses_non_finite():  # read beside the copies; an error is raised before the shard is closed
+            self._copier.check(sum(block.nbytes for block in blocks), validation.check_written, name, blocks)
         size = sum(block.nbytes for block in blocks)
         if self._file is not None and (self._shard_bytes + size > self.max_shard_bytes or self._header_length
                                        + _entry_length(name, _entry(data, self._shard_bytes, size)) > self.HEADER_BYTES):
@@ -551,6 +582,7 @@ class ShardedWriter:
         self._shards.append([name for name in self._header if name != "__metadata__"])
 
     def __exit__(self, exc_type, exc, tb):
+        failure = None
         if exc_type is None:
             try:
                 if self._file is None and not self._shards:
@@ -559,11 +591,16 @@ class ShardedWriter:
                     self._close_shard()
                 self._finalise_shard_names()
             except BaseException as error:  # the staging folder goes, the error propagates
-                exc_type, exc, tb = type(error), error, error.__traceback__
+                failure, exc_type, exc, tb = error, type(error), error, error.__traceback__
         self._copier.close()  # no copy may still write to a shard once it is closed
         if self._file is not None:  # an error left a shard open
             self._file.close()
-        return self._stage.__exit__(exc_type, exc, tb)
+        suppressed = self._stage.__exit__(exc_type, exc, tb)
+        # the staging context, given an error of this exit (a copy's, a check's), removes the folder and returns
+        # False, which propagates only an error of the `with` body: this one is raised here
+        if failure is not None:
+            raise failure
+        return suppressed
 
     def _finalise_shard_names(self) -> None:
         count = len(self._shards)

@@ -113,7 +113,12 @@ class ModelProvider:
         raise NotImplementedError
 
     def check_supported(self) -> None:
-        """Raise ValueError naming any config field this implementation does not support."""
+        """Raise ValueError naming any config field this implementation does not support (and `config_source`)."""
+
+    @property
+    def config_source(self) -> str:
+        """Where the config comes from, for messages: its file, or the architecture's name for a config dict."""
+        return str(self.hf_dir / "config.json") if self.hf_dir is not None else f"{self.name} config"
 
     def model_options(self) -> dict[str, Any]:
         """Keyword arguments of `build_provider` that rebuild this model from its config alone (a Megatron

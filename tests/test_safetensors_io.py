@@ -255,3 +255,43 @@ def test_a_copy_on_the_worker_that_cannot_copy_writes_and_one_that_fails_is_rais
         with pytest.raises(OSError, match=os.strerror(error)):
             write(tmp_path / "out", tensors)
         assert sorted(path.name for path in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+class EndsWhileLookedAt:
+    """A copy (or check) that ends between two looks at it: `done()` is False the first time, True after."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    def exception(self) -> OSError:
+        return OSError(errno.EIO, "the copy failed")
+
+    def result(self):
+        raise self.exception()
+
+
+def test_an_error_of_a_copy_ending_while_the_pending_ones_are_looked_at_is_not_lost():
+    copier = safetensors_io.RegionCopier()
+    copier._pending = [(EndsWhileLookedAt(), 0)]
+    copier._raise_failed()  # sorts the pending ones into done and running
+    with pytest.raises(OSError, match="the copy failed"):
+        copier.finish()
+
+
+def test_a_writer_refuses_non_finite_values_unless_allowed(tmp_path):
+    """Read on the checking thread beside the copies; the error is raised before the shard is closed."""
+    from conversion import validation
+
+    tensor = torch.ones(1000)
+    tensor[517] = float("inf")
+    with pytest.raises(CheckpointError, match=r"tensor w holds inf at element 517: .*not written"):
+        with ShardedWriter(tmp_path / "out") as writer:
+            writer.add("w", tensor)
+    assert list(tmp_path.iterdir()) == []
+    with validation.non_finite_allowed(), ShardedWriter(tmp_path / "out") as writer:
+        writer.add("w", tensor)
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -1102,10 +1102,10 @@ def test_thirty_thousand_zero_size_chunks_are_checked_in_linear_time(capsys, tmp
 
 
 def test_overlapping_chunks_among_sixteen_thousand_are_found_in_linear_time(capsys, tmp_path, checkpoint):
-    """A chunk per element, one given twice (and one left out, so that the element count is right)."""
-    chunks = [((row, column), (1, 1)) for row in range(256) for column in range(64)]
-    chunks[-1] = chunks[0]
-    chunked(checkpoint / "release", EMBEDDING, list(dict.fromkeys(chunks)) + [chunks[0]])
+    """A chunk per element but the first, and one given twice, last: comparing each pair, that is found after
+    most of 134 million comparisons."""
+    chunks = [((row, column), (1, 1)) for row in range(256) for column in range(64)][1:]
+    chunked(checkpoint / "release", EMBEDDING, chunks + [chunks[-2]])
     started = time.monotonic()
     assert_refused(capsys, ["export", checkpoint, tmp_path / "hf"],
                    r"tensor embedding\.word_embeddings\.weight: (two of its chunks overlap|its 16384 chunks do not)",
@@ -1198,7 +1198,7 @@ def billion_laughs() -> list:
 
 COMMON_STATES = {
     "a string": (torch_saved("common"), r"holds str 'common': the common state must be a dict"),
-    "a list of numbers": (torch_saved([1, 2]), r"holds list '\[1, 2\]': the common state must be a dict"),
+    "a list of numbers": (torch_saved([1, 2]), r"holds list \[1, 2\]: the common state must be a dict"),
     "nested 200,000 deep": (deeply_nested_list(200_000), r"nests deeper than 100 levels"),
     "a billion laughs": (torch_saved([billion_laughs()]), r"holds more than 1000000 objects"),
 }
@@ -1420,6 +1420,40 @@ def test_two_sigterms_50_ms_apart_leave_no_staging_folder(tmp_path, whom):
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written", err[-3000:]
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+# the publish is the first SIGTERM's moment, the removal of what was staged the second's
+SIGNALLED_TWICE = '''
+import os, shutil, signal
+_replace, _rmtree = os.replace, shutil.rmtree
+
+
+def replace(source, target, *args, **kwargs):
+    if ".partial-" in os.fspath(source):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _replace(source, target, *args, **kwargs)
+
+
+def rmtree(path, *args, **kwargs):
+    if ".partial-" in os.fspath(path):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _rmtree(path, *args, **kwargs)
+
+
+os.replace, shutil.rmtree = replace, rmtree
+'''
+
+
+def test_a_second_sigterm_during_the_clean_up_of_the_first_does_not_cut_it_short(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SIGNALLED_TWICE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written"
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
 # in the first process of the run that imports conversion.engine (after the command's signal handlers are in

@@ -81,7 +81,7 @@ class DeepseekV4Provider(ModelProvider):
         return DeepseekV4ForCausalLM
 
     def check_supported(self) -> None:
-        v4_config.check_supported(self.hf_config)
+        v4_config.check_supported(self.hf_config, self.config_source)
         if self.mtp_loss_scale and self.mtp_not_in_checkpoint:
             raise ValueError(f"DeepSeek-V4: mtp_loss_scale > 0 needs MTP layers, and {self.hf_dir} has no mtp.* tensors")
         if self.mtp_loss_scale and not (self.build_mtp and self.hf_config.num_nextn_predict_layers):

@@ -55,7 +55,7 @@ class LlamaProvider(ModelProvider):
         return LlamaForCausalLM
 
     def check_supported(self) -> None:
-        check_llama_supported(self.hf_config, "llama config")
+        check_llama_supported(self.hf_config, self.config_source)
 
     def transformer_config_fields(self) -> dict:
         return llama_transformer_fields(self.hf_config)

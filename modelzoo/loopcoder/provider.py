@@ -33,7 +33,7 @@ class LoopCoderProvider(ModelProvider):
         return IQuestLoopCoderForCausalLM
 
     def check_supported(self) -> None:
-        check_llama_supported(self.hf_config, "iquestloopcoder config")
+        check_llama_supported(self.hf_config, self.config_source)
         overrides = self.config_overrides
         if overrides.get("pipeline_model_parallel_size", 1) > 1:
             raise ValueError(PIPELINE_REFUSAL.format(pp=overrides["pipeline_model_parallel_size"]))
