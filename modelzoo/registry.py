@@ -28,6 +28,7 @@ class BuiltinArchitecture:
 
 BUILTIN_ARCHITECTURES = {
     "deepseek_v4": BuiltinArchitecture("modelzoo.deepseek_v4", ("deepseek_v4",), ("DeepseekV4ForCausalLM",)),
+    "deepseek_v41": BuiltinArchitecture("modelzoo.deepseek_v41.provider", ("deepseek_v41",), ("DeepseekV41ForCausalLM",)),
     "llama": BuiltinArchitecture("modelzoo.llama", ("llama",), ("LlamaForCausalLM",)),
     "loopcoder": BuiltinArchitecture("modelzoo.loopcoder.provider", ("iquestloopcoder",),
                                      ("IQuestLoopCoderForCausalLM",)),

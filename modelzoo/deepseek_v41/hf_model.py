@@ -842,12 +842,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, image_mask: torch.Tensor | None = None,
                 fake_quant: bool = False, draft_anchor_ids: torch.LongTensor | None = None,
-                draft_ids: torch.LongTensor | None = None, **kwargs) -> DeepseekV41CausalLMOutput:
+                draft_ids: torch.LongTensor | None = None, use_cache: bool | None = None,
+                **kwargs) -> DeepseekV41CausalLMOutput:
         """input_ids [B, S]. attention_mask [B, S]: 1 for tokens, 0 for padding after them (right padding only:
         latents pool fixed positions from the row start). image_mask [B, S] bool: image tokens (routing bias
         bias_vl, dead for Engram). fake_quant: the release's FP8 / FP4 storage of K/V and indexer q, k.
         draft_anchor_ids [B, S]: the token at position t+1 for each t, to run the DSpark layers; draft_ids
-        [B, S, K-1]: the draft tokens whose Markov biases to use (default: the greedy choice of each slot)."""
+        [B, S, K-1]: the draft tokens whose Markov biases to use (default: the greedy choice of each slot).
+        use_cache: accepted for transformers' callers; the forward is always the full sequence, without a cache."""
         if kwargs:
             raise TypeError(f"DeepseekV41ForCausalLM.forward does not take {sorted(kwargs)}.")
         dead = self._dead_tokens(input_ids, attention_mask, image_mask)

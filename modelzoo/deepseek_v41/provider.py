@@ -1,0 +1,122 @@
+"""DeepSeek-V4.1 (`deepseek_v41`, `DeepseekV41ForCausalLM`): the provider `build_provider` picks from config.json.
+
+    config.py    the HF config (composite: text_config, vision_config) and its Megatron translation
+    model/       attention (CSA2 roles), engram, moe, model (single-pass mHC, DSpark)
+    mapping.py   the HF <-> Megatron name table
+    hf_model.py  our reference, the parity oracle
+
+The text model is built; the vision tower, aligner and image delimiters are not used by it: whatever of them the
+checkpoint holds is carried in the model as frozen buffers (in the checkpoint's dtype) and exported unchanged. The Engram hashes run over the normalised vocabulary built from
+the checkpoint folder's own tokenizer.json (read as data, no remote code).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modelzoo.deepseek_v41 import config as v41_config
+from modelzoo.deepseek_v41.config import DeepseekV41Args, DeepseekV41Config
+from modelzoo.deepseek_v41.mapping import CARRIED_PREFIXES, deepseek_v41_mapping
+from modelzoo.provider import ModelProvider
+from modelzoo.registry import register
+
+
+@register
+class DeepseekV41Provider(ModelProvider):
+    """`train_engram_tables=True`: the Engram tables train (frozen by default, as in the release's fine-tuning)."""
+
+    name = "deepseek_v41"
+    hf_model_types = ("deepseek_v41",)
+    hf_architectures = ("DeepseekV41ForCausalLM",)
+    has_experts = True
+
+    def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
+                 train_engram_tables: bool = False, **config_overrides):
+        self.train_engram_tables = train_engram_tables
+        super().__init__(hf_config, hf_dir=hf_dir, attention=attention, params_dtype=params_dtype, **config_overrides)
+
+    @classmethod
+    def hf_config_class(cls):
+        return DeepseekV41Config
+
+    def hf_model_class(self):
+        from modelzoo.deepseek_v41.hf_model import DeepseekV41ForCausalLM
+
+        return DeepseekV41ForCausalLM
+
+    @property
+    def text_config(self):
+        return self.hf_config.get_text_config()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    def check_supported(self) -> None:
+        v41_config.check_supported(self.hf_config, self.config_source)
+        if self.attention != "exact":
+            raise ValueError(f"deepseek_v41: attention={self.attention!r} is not implemented; the Megatron model runs "
+                             "the exact (eager) attention")
+        if self.config_overrides.get("sequence_parallel"):
+            raise ValueError("deepseek_v41: sequence parallelism is not implemented")
+
+    def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
+        super().check_parallel_layout(tp, ep, cp, pp)
+        if pp != 1:
+            raise ValueError(f"deepseek_v41: pipeline parallel size {pp}: the model runs at one pipeline stage (the "
+                             "cross-layer CSA2 state does not cross stages yet)")
+        v41_config.check_parallel(self.hf_config, tp, ep)
+
+    @property
+    def args(self) -> DeepseekV41Args:
+        return DeepseekV41Args.from_hf(self.hf_config)
+
+    def transformer_config_fields(self) -> dict:
+        return v41_config.transformer_config_fields(self.hf_config)
+
+    def engram_token_map(self) -> torch.Tensor | None:
+        """The normalised vocabulary of the checkpoint folder's tokenizer.json; None without Engram layers. Refused
+        by name when the file is missing or gives another number of classes than the config."""
+        from modelzoo.deepseek_v41.hf_model import build_engram_token_map
+
+        text = self.text_config
+        if not text.engram_layer_ids:
+            return None
+        tokenizer = Path(self.hf_dir) / "tokenizer.json" if self.hf_dir is not None else None
+        if tokenizer is None or not tokenizer.is_file():
+            raise ValueError(f"deepseek_v41: {tokenizer or 'this provider (built from a config dict)'} has no "
+                             "tokenizer.json: the Engram layers hash token ids over the normalised vocabulary built "
+                             "from the checkpoint's own tokenizer")
+        token_map, classes = build_engram_token_map(tokenizer)
+        if classes != text.engram_compressed_vocab_size or len(token_map) > text.vocab_size:
+            raise ValueError(f"deepseek_v41: {tokenizer} normalises {len(token_map)} tokens into {classes} classes, "
+                             f"but {self.config_source} has engram_compressed_vocab_size "
+                             f"{text.engram_compressed_vocab_size} and vocab_size {text.vocab_size}")
+        return torch.tensor(token_map)
+
+    def carried_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of the checkpoint's tensors the text model does not use (`CARRIED_PREFIXES`);
+        none for a folder without weights or a config dict."""
+        from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+
+        folder = self.hf_dir
+        if folder is None or not ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
+            return {}
+        reader = CheckpointReader(folder)
+        try:
+            return {name: (tuple(reader.tensors[name].shape), reader.tensors[name].dtype) for name in reader.names()
+                    if name.startswith(CARRIED_PREFIXES)}
+        finally:
+            reader.close()
+
+    def build_model(self, config):
+        from modelzoo.deepseek_v41.model.model import DeepseekV41Model
+
+        token_map = None if config.init_model_with_meta_device else self.engram_token_map()
+        return DeepseekV41Model(config, self.args, self.padded_vocab_size(), token_map, self.carried_tensors(),
+                                self.train_engram_tables)
+
+    def mapping(self):
+        return deepseek_v41_mapping(self.text_config, self.carried_tensors())
