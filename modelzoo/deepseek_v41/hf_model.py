@@ -827,13 +827,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' loading, then the frozen defaults and, for Engram, the normalised vocabulary of the
-        folder's tokenizer.json (read as data, no remote code)."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        folder's tokenizer.json (read as data, no remote code). With `output_loading_info=True`, (model, info)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if kwargs.get("output_loading_info") else loaded
         model.freeze_defaults()
         tokenizer_file = Path(pretrained_model_name_or_path) / "tokenizer.json"
         if model.model.engram_hasher is not None and tokenizer_file.is_file():
             model.set_engram_token_map(build_engram_token_map(tokenizer_file)[0])
-        return model
+        return loaded
 
     def set_engram_token_map(self, token_map) -> None:
         """The normalised vocabulary (one class id per token id) the Engram hashes run over."""

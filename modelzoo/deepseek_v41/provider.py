@@ -35,7 +35,11 @@ class DeepseekV41Provider(ModelProvider):
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  train_engram_tables: bool = False, **config_overrides):
         self.train_engram_tables = train_engram_tables
-        super().__init__(hf_config, hf_dir=hf_dir, attention=attention, params_dtype=params_dtype, **config_overrides)
+        # the composite config.json (text_config, vision_config); `hf_config` is its text config, whose fields
+        # (vocab_size, max_position_embeddings, num_hidden_layers) the generic code reads
+        self.checkpoint_config = hf_config
+        super().__init__(hf_config.get_text_config(), hf_dir=hf_dir, attention=attention, params_dtype=params_dtype,
+                         **config_overrides)
 
     @classmethod
     def hf_config_class(cls):
@@ -45,14 +49,6 @@ class DeepseekV41Provider(ModelProvider):
         from modelzoo.deepseek_v41.hf_model import DeepseekV41ForCausalLM
 
         return DeepseekV41ForCausalLM
-
-    @property
-    def text_config(self):
-        return self.hf_config.get_text_config()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text_config.vocab_size
 
     def check_supported(self) -> None:
         v41_config.check_supported(self.hf_config, self.config_source)
@@ -81,7 +77,7 @@ class DeepseekV41Provider(ModelProvider):
         by name when the file is missing or gives another number of classes than the config."""
         from modelzoo.deepseek_v41.hf_model import build_engram_token_map
 
-        text = self.text_config
+        text = self.hf_config
         if not text.engram_layer_ids:
             return None
         tokenizer = Path(self.hf_dir) / "tokenizer.json" if self.hf_dir is not None else None
@@ -119,4 +115,4 @@ class DeepseekV41Provider(ModelProvider):
                                 self.train_engram_tables)
 
     def mapping(self):
-        return deepseek_v41_mapping(self.text_config, self.carried_tensors())
+        return deepseek_v41_mapping(self.hf_config, self.carried_tensors())
