@@ -33,3 +33,39 @@ def random_rows(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
+
+
+def next_token_logprobs(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """log p(rows[:, t + 1] | rows[:, :t + 1]) [B, S - 1] (fp32), from logits over the real vocabulary."""
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, rows[:, 1:, None])[..., 0]
+
+
+# checkpoint tensors the Megatron model holds as buffers (exported as values, never trained)
+BUFFERS = (".gate.bias", ".gate.bias_vl", "image_start", "image_end", "image_newline")
+
+
+def megatron_grads_as_hf(provider, model) -> dict[str, torch.Tensor]:
+    """Each parameter replaced by its gradient (zeros without one), exported: gradients by checkpoint name
+    (collective over the ranks); buffers left out."""
+    for param in model.parameters():
+        param.data = param.grad if param.grad is not None else torch.zeros_like(param)
+    return {name: grad for name, grad in provider.export_hf_weights(model) if not name.endswith(BUFFERS)}
+
+
+def megatron_trainable_names(provider, model) -> set[str]:
+    """The checkpoint names of the Megatron model's trainable parameters."""
+    from conversion.engine import megatron_tensors
+
+    table = provider.mapping()
+    names = set()
+    for name, tensor in megatron_tensors(model).items():
+        if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+            rule, indices = table.for_megatron(name)
+            names.update(rule.hf_names(indices))
+    return names
+
+
+def relative_errors(ours: dict, reference: dict) -> dict[str, float]:
+    """max|ours - reference| / max|reference| per tensor of `reference`."""
+    return {name: ((ours[name].double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+            for name, ref in reference.items()}

@@ -7,14 +7,16 @@
 
 The tables are the release's largest tensors (about 98 GB each in FP8), so each is row-sharded over the tensor-
 parallel ranks as a vocab-parallel embedding is: a rank looks up the ids in its rows, zeros the others, and one
-all-reduce sums the pieces (Megatron's `VocabParallelEmbedding`). A table whose rows do not divide by the TP size is
-padded with zero rows no id reaches (the mapping drops them on export). The tables are frozen by default
+all-reduce sums the pieces (Megatron's `VocabParallelEmbedding`). The rows are padded as a vocabulary is (`padded_rows`)
+with rows no id reaches (the mapping drops them on export). The tables are frozen by default
 (`requires_grad` False; `train_engram_tables=True` trains them); the rest (wkv, q_weight, k_weight) is replicated
 and trains. The hashing is the reference's `DeepseekV41NgramHasher` (a function of the token ids, the config and
 the tokenizer's normalised vocabulary; it has no weights).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from megatron.core.tensor_parallel import VocabParallelEmbedding
@@ -23,10 +25,14 @@ from torch import nn
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, fp32_param, mark_tensor_parallel
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.hf_model import ENGRAM_SCALE_BLOCK
+from modelzoo.provider import VOCAB_PADDING_MULTIPLE
 
 
 def padded_rows(rows: int, tp: int) -> int:
-    return -(-rows // tp) * tp
+    """Rows padded as Megatron pads a vocabulary (a multiple of lcm(128, tp)): the same for every TP size up to 128
+    that is a power of two, so a Megatron checkpoint saved at one such size loads at another."""
+    multiple = math.lcm(VOCAB_PADDING_MULTIPLE, tp)
+    return -(-rows // multiple) * multiple
 
 
 class DeepseekV41Engram(nn.Module):

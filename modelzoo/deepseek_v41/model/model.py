@@ -262,13 +262,14 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         hidden = plain_collapse(pre, streams)
         heads = last.heads
         logits = self.full_vocabulary_logits(heads.final_layernorm(hidden)).unflatten(1, (seq_len, block))
-        previous, chosen, embeddings = anchor_ids, [], []
+        previous, chosen, embeddings, slots = anchor_ids, [], [], []
         for slot in range(block):
             embedding = heads.markov_embed(previous)
-            logits[:, :, slot] += heads.markov_head(embedding).float()
+            slots.append(logits[:, :, slot] + heads.markov_head(embedding).float())
             embeddings.append(embedding)
-            previous = logits[:, :, slot].argmax(-1) if draft_ids is None or slot == block - 1 else draft_ids[..., slot]
+            previous = slots[-1].argmax(-1) if draft_ids is None or slot == block - 1 else draft_ids[..., slot]
             chosen.append(previous)
+        logits = torch.stack(slots, dim=2)
         joined = torch.cat((hidden.unflatten(1, (seq_len, block)), torch.stack(embeddings, dim=2).to(hidden.dtype)),
                            dim=-1)
         confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
