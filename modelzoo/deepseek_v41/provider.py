@@ -31,6 +31,7 @@ class DeepseekV41Provider(ModelProvider):
     hf_model_types = ("deepseek_v41",)
     hf_architectures = ("DeepseekV41ForCausalLM",)
     has_experts = True
+    engine_naming = "native"  # vLLM and SGLang load V4.1 by its release names (sync.py)
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  train_engram_tables: bool = False, **config_overrides):
