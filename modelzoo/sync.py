@@ -8,7 +8,8 @@
                 engine.load_weights(chunk.tensors)                    # chunk.version / .index / .is_last
 
 Chunks never split an atomic update group (`conversion/sync.py`): the groups are data in
-`modelzoo/<architecture>/sync.py` (`NAMINGS`: engine naming -> `Naming`), plus the generic MLA table.
+`modelzoo/<architecture>/sync.py` (`NAMINGS`: engine naming -> `Naming`, or a function of the provider giving
+that), plus the generic MLA table.
 See docs/weight_sync.md.
 """
 
@@ -113,6 +114,8 @@ def engine_naming(provider: ModelProvider, naming: str) -> Naming:
     package = sys.modules[module].__package__ or module  # a provider defined in a top-level module
     try:
         namings = importlib.import_module(f"{package}.sync").NAMINGS
+        if callable(namings):  # groups that depend on the config (which layers have a member): made per provider
+            namings = namings(provider)
     except ModuleNotFoundError as error:
         if error.name != f"{package}.sync":
             raise

@@ -1,9 +1,10 @@
 """DeepSeek-V4.1: the tensors vLLM and SGLang fuse on load, so a weight sync sends each group in one call.
 
-vLLM's and SGLang's V4.1 loaders fuse the attention's wq_a + wkv (`fused_wqa_wkv`), a KV source's compressor
-wkv + wgate (`fused_wkv_wgate`; ratio-1 sources have no wgate: the group is inactive there) and each expert's
-w1 + w3 (`gate_up_proj`, routed and shared). A group none of whose members a layer has is inactive there; a group
-with one member missing stops the sync. The DSpark layers (`mtp.K`) are sliding-window layers with the same pairs.
+vLLM's and SGLang's V4.1 loaders fuse the attention's wq_a + wkv (`fused_wqa_wkv`), a pooling KV source's compressor
+wkv + wgate (`fused_wkv_wgate`; a ratio-1 source has no wgate) and each expert's w1 + w3 (`gate_up_proj`, routed and
+shared). A group with one member missing stops the sync, so the compressor pairs are declared for the layers that
+pool, read from the config (`NAMINGS(provider)`). The DSpark layers (`mtp.K`) are sliding-window layers with the
+attention and expert pairs.
 
 Namings. `hf`: the names `export_hf_weights` yields (transformers main's: release leaves under `model.`,
 `lm_head`). `native`: the release checkpoint's names, as vLLM and SGLang load V4.1 (`layers.N.*`, `embed`,
@@ -16,16 +17,22 @@ from conversion.sync import Naming, UpdateGroup
 
 
 def _update_groups(layer: str, prefix: str = "") -> tuple[UpdateGroup, ...]:
-    """The groups of one block whose tensors are named `<layer>.*`."""
+    """The groups every block whose tensors are named `<layer>.*` has."""
     return (
         UpdateGroup(f"{prefix}fused_wqa_wkv", (f"{layer}.attn.wq_a.weight", f"{layer}.attn.wkv.weight")),
-        UpdateGroup(f"{prefix}fused_wkv_wgate", (f"{layer}.attn.compressor.wkv.weight",
-                                                 f"{layer}.attn.compressor.wgate.weight")),
         UpdateGroup(f"{prefix}experts.gate_up_proj", (f"{layer}.ffn.experts.*.w1.weight",
                                                       f"{layer}.ffn.experts.*.w3.weight")),
         UpdateGroup(f"{prefix}shared_experts.gate_up_proj", (f"{layer}.ffn.shared_experts.w1.weight",
                                                              f"{layer}.ffn.shared_experts.w3.weight")),
     )
+
+
+def _compressor_groups(layers: str, pooling_sources: list[int]) -> tuple[UpdateGroup, ...]:
+    """wkv + wgate of each KV source that pools (ratio > 1); a ratio-1 source's compressor has no wgate, so its wkv
+    travels alone. `layers`: the layers' prefix ("model.layers", "layers")."""
+    return tuple(UpdateGroup("fused_wkv_wgate", (f"{layers}.{i}.attn.compressor.wkv.weight",
+                                                 f"{layers}.{i}.attn.compressor.wgate.weight"))
+                 for i in pooling_sources)
 
 
 def hf_to_native(name: str) -> str:
@@ -34,7 +41,12 @@ def hf_to_native(name: str) -> str:
 
 
 MTP_GROUPS = _update_groups("mtp.*", prefix="mtp.")
-HF_GROUPS = _update_groups("model.layers.*") + MTP_GROUPS
-NATIVE_GROUPS = _update_groups("layers.*") + MTP_GROUPS
 
-NAMINGS = {"hf": Naming(HF_GROUPS), "native": Naming(NATIVE_GROUPS, rename=hf_to_native)}
+
+def NAMINGS(provider) -> dict[str, Naming]:  # noqa: N802 - the name modelzoo.sync looks up
+    """The namings of this provider's model: the compressor pairs sit at its pooling KV sources."""
+    text = provider.hf_config
+    pooling = [i for i in text.kv_source_layer_ids if text.compress_ratios[i] > 1]
+    return {"hf": Naming(_update_groups("model.layers.*") + _compressor_groups("model.layers", pooling) + MTP_GROUPS),
+            "native": Naming(_update_groups("layers.*") + _compressor_groups("layers", pooling) + MTP_GROUPS,
+                             rename=hf_to_native)}
