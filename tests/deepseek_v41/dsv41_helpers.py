@@ -69,3 +69,33 @@ def relative_errors(ours: dict, reference: dict) -> dict[str, float]:
     """max|ours - reference| / max|reference| per tensor of `reference`."""
     return {name: ((ours[name].double() - ref.double()).abs().max() / ref.double().abs().max()).item()
             for name, ref in reference.items()}
+
+
+MECHANISMS = ("engram", "candidate restriction", "reuse", "single-pass pre")
+
+
+def switch_off(model, mechanism: str, monkeypatch):
+    """Our reference `model` without one of V4.1's mechanisms (a test's `monkeypatch` undoes the last one)."""
+    from modelzoo.deepseek_v41.hf_model import DeepseekV41DecoderLayer
+
+    for layer in model.model.layers:
+        attn = layer.attn
+        if mechanism == "engram":
+            layer.engram = None
+        elif mechanism == "candidate restriction":
+            attn.uses_candidates = False
+        elif mechanism == "reuse" and attn.ratio and not attn.is_index_source:  # a reuse layer: window only
+            attn.reads_compressed = False
+    if mechanism == "single-pass pre":
+        monkeypatch.setattr(DeepseekV41DecoderLayer, "forward", _own_pre_forward)
+    return model
+
+
+def _own_pre_forward(self, streams, previous_pre, *, attention, ffn_kwargs):
+    """DeepSeek-V4's order: each site collapses its input with its own pre."""
+    attn_pre, attn_post, attn_comb = self.hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+    streams = self.hc_expand(attention(self.attn_norm(self.hc_collapse(streams, attn_pre))), streams, attn_post,
+                             attn_comb)
+    ffn_pre, ffn_post, ffn_comb = self.hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+    output = self.ffn(self.ffn_norm(self.hc_collapse(streams, ffn_pre)), **ffn_kwargs)
+    return self.hc_expand(output, streams, ffn_post, ffn_comb), ffn_pre

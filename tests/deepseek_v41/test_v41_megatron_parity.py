@@ -28,13 +28,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from dsv41_helpers import (
+    MECHANISMS,
     V41_TINY,
-    load_tiny,
     megatron_grads_as_hf,
     megatron_trainable_names,
     next_token_logprobs,
     random_rows,
     relative_errors,
+    switch_off,
 )
 from safetensors.torch import load_file, save_file
 
@@ -47,6 +48,7 @@ HC_SCALE_TOLERANCE = 1e-4
 CONDITIONING_FACTOR = 4
 HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
 DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
+MATTERS = 1e-3  # the issue's bar for "a mechanism matters" (as in test_v41_reference.py)
 GROWN_TABLE = "model.layers.1.engram.embed"
 
 
@@ -162,6 +164,19 @@ def test_logprob_parity(reference, layout, request):
     for rank, (logprobs, *_) in enumerate(_layout_results(layout, request)):
         expected = reference[0] if layout != "ep2" else reference[0][rank:rank + 1]
         assert (logprobs - expected).abs().max().item() <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_the_reference_without_a_mechanism_is_far_from_the_megatron_model(grown, rows, tp1, mechanism, monkeypatch):
+    """Parity cannot pass vacuously: each of V4.1's mechanisms, switched off in the reference, moves its log-probs by
+    more than MATTERS from the Megatron model's (which parity puts within LOGPROB_TOLERANCE of the full reference)."""
+    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
+
+    changed = switch_off(DeepseekV41ForCausalLM.from_pretrained(grown, dtype=torch.float32).eval(), mechanism,
+                         monkeypatch)
+    with torch.no_grad():
+        without = next_token_logprobs(changed(rows).logits, rows)
+    assert (without - tp1[0]).abs().max().item() > MATTERS
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
