@@ -33,9 +33,14 @@ class DeepseekV41Provider(ModelProvider):
     has_experts = True
     engine_naming = "native"  # vLLM and SGLang load V4.1 by its release names (sync.py)
 
+    recorded_options = {"carried": dict}
+
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
-                 train_engram_tables: bool = False, **config_overrides):
+                 train_engram_tables: bool = False, carried: dict | None = None, **config_overrides):
+        """`carried`: {name: [shape, dtype name]} of the tensors carried for the export, as a Megatron checkpoint
+        records them (its HF side has no weights to read them from); default: the checkpoint folder's."""
         self.train_engram_tables = train_engram_tables
+        self._carried = None if carried is None else carried_from_record(carried, hf_dir)
         # the composite config.json (text_config, vision_config); `hf_config` is its text config, whose fields
         # (vocab_size, max_position_embeddings, num_hidden_layers) the generic code reads
         self.checkpoint_config = hf_config
@@ -94,19 +99,29 @@ class DeepseekV41Provider(ModelProvider):
         return torch.tensor(token_map)
 
     def carried_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """name -> (shape, dtype) of the checkpoint's tensors the text model does not use (`CARRIED_PREFIXES`);
-        none for a folder without weights or a config dict."""
+        """name -> (shape, dtype) of the checkpoint's tensors the text model does not use (`CARRIED_PREFIXES`):
+        as recorded (`carried`), else read from the folder's weights; none for a config without weights."""
         from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
         folder = self.hf_dir
+        if self._carried is not None:
+            return self._carried
         if folder is None or not ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
             return {}
         reader = CheckpointReader(folder)
         try:
-            return {name: (tuple(reader.tensors[name].shape), reader.tensors[name].dtype) for name in reader.names()
-                    if name.startswith(CARRIED_PREFIXES)}
+            self._carried = {name: (tuple(reader.tensors[name].shape), reader.tensors[name].dtype)
+                             for name in reader.names() if name.startswith(CARRIED_PREFIXES)}
         finally:
             reader.close()
+        return self._carried
+
+    def model_options(self) -> dict:
+        carried = self.carried_tensors()
+        if not carried:
+            return {}
+        return {"carried": {name: [list(shape), str(dtype).removeprefix("torch.")]
+                            for name, (shape, dtype) in carried.items()}}
 
     def build_model(self, config):
         from modelzoo.deepseek_v41.model.model import DeepseekV41Model
@@ -117,3 +132,17 @@ class DeepseekV41Provider(ModelProvider):
 
     def mapping(self):
         return deepseek_v41_mapping(self.hf_config, self.carried_tensors())
+
+
+def carried_from_record(record: dict, where) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`model_options["carried"]` as a Megatron checkpoint records it, checked: {name: [shape, dtype name]}."""
+    carried = {}
+    for name, entry in record.items():
+        shape, dtype = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+        if not (isinstance(name, str) and name.startswith(CARRIED_PREFIXES) and isinstance(shape, list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+                and isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+            raise ValueError(f"{where}: model option carried[{name!r}] is {entry!r}; it must be [shape, dtype name] "
+                             f"of a tensor named {' / '.join(CARRIED_PREFIXES)}...")
+        carried[name] = (tuple(shape), getattr(torch, dtype))
+    return carried
