@@ -99,7 +99,7 @@ report(started)
 # The same steps as functions, run in process after a warm-up on the tiny checkpoint (see the docstring).
 STEPS = """
 from baseline import copy
-from conversion import cli
+from modelzoo.conversion import cli
 
 OPTIONS = {"format": "hf", "quantize": None}
 
@@ -264,7 +264,7 @@ def main() -> None:
 
     def cli(label: str, argv: list[str], inputs: Path) -> dict:
         return measure(label, MEASURE.format(argv=argv, inputs=str(inputs),
-                                             run='runpy.run_module("conversion.cli", run_name="__main__")'))[0]
+                                             run='runpy.run_module("modelzoo.conversion.cli", run_name="__main__")'))[0]
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
                                   inputs=str(source),

@@ -34,9 +34,9 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-from conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
-from conversion.files import confined, read_json  # noqa: E402
-from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
+from modelzoo.conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
+from modelzoo.conversion.files import confined, read_json  # noqa: E402
+from modelzoo.conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
 from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, signals_interrupt  # noqa: E402
 from modelzoo.registry import build_provider, list_architectures  # noqa: E402
 
@@ -93,8 +93,8 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
                  options: dict, allow_non_finite: bool, pp: int) -> int:
     import torch
 
-    from conversion import engine, megatron_ckpt, validation
-    from conversion.native import keep_source_scales
+    from modelzoo.conversion import engine, megatron_ckpt, validation
+    from modelzoo.conversion.native import keep_source_scales
     from modelzoo import runtime
     from modelzoo.provider import TOKENIZER_FILES
 
@@ -154,7 +154,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
                  options: dict, allow_non_finite: bool = False) -> int:
     import torch
 
-    from conversion import megatron_ckpt, validation
+    from modelzoo.conversion import megatron_ckpt, validation
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(megatron_dir)
@@ -177,7 +177,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
 def cmd_export(args) -> int:
     out = Path(args.hf_dir)
     _refuse_existing(out)
-    from conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
+    from modelzoo.conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from conversion import megatron_ckpt, validation
-from conversion.mapping import MappingError, MappingTable, Rule
-from conversion.safetensors_io import CheckpointReader
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import megatron_ckpt, validation
+from modelzoo.conversion.mapping import MappingError, MappingTable, Rule
+from modelzoo.conversion.safetensors_io import CheckpointReader
+from modelzoo.conversion.transforms import RowBlocks
 
 
 # the name Megatron's checkpoints give the word embedding on every pipeline stage that holds a copy of it

@@ -26,19 +26,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conversion import safe_pickle
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_bytes, read_json
-from conversion.safetensors_io import is_int
-from conversion.staging import create_staging_folder, publish_staging_folder, write_failure
-from conversion.torch_dist_streaming import (
+from modelzoo.conversion import safe_pickle
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_bytes, read_json
+from modelzoo.conversion.safetensors_io import is_int
+from modelzoo.conversion.staging import create_staging_folder, publish_staging_folder, write_failure
+from modelzoo.conversion.torch_dist_streaming import (
     ParameterData,
     load_groups,
     original_errors,
     streaming_load_strategy,
     streaming_save_strategy,
 )
-from conversion.transforms import RowBlocks
+from modelzoo.conversion.transforms import RowBlocks
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -241,7 +241,7 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     The checkpoint is checked when this is called, before the first tensor is asked for (`stored`: what
     `checked_state` returned for it, when the caller has checked it already).
     """
-    from conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
+    from modelzoo.conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
 
     metadata = read_metadata(folder)
     state = state_folder(folder)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from conversion import quantization as q
-from conversion.files import read_json
-from conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
+from modelzoo.conversion import quantization as q
+from modelzoo.conversion.files import read_json
+from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
 KEPT_SCALES_DIR = "kept_scales"  # beside an imported checkpoint's config.json (the Megatron checkpoint's hf/)
 SCALE_SUFFIXES = {"native": ".scale", "hf": ".weight_scale_inv"}  # both are read; which one is written
@@ -126,7 +126,7 @@ class KeptScales:
     def write(cls, view: CheckpointView, folder, max_shard_bytes: int = 2 * 2**30) -> int:
         """Keep the scale of every quantised tensor of `view` in `folder`. Returns how many (0: nothing
         quantised, nothing written)."""
-        from conversion.safetensors_io import ShardedWriter
+        from modelzoo.conversion.safetensors_io import ShardedWriter
 
         scaled = [(name, scale) for name in view.names() for _, scale in [view.source(name)] if scale is not None]
         if not scaled:

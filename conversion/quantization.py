@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from conversion.safetensors_io import CheckpointError
+from modelzoo.conversion.safetensors_io import CheckpointError
 
 FP8_BLOCK = 128
 MX_BLOCK = 32

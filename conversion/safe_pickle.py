@@ -40,9 +40,9 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_bytes
-from conversion.safetensors_io import is_int
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_bytes
+from modelzoo.conversion.safetensors_io import is_int
 
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}

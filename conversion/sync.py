@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from conversion.mapping import compile_pattern, fill_pattern
+from modelzoo.conversion.mapping import compile_pattern, fill_pattern
 
 Tensors = list[tuple[str, torch.Tensor]]
 

@@ -61,10 +61,10 @@ import numpy
 import torch
 from tqdm import tqdm
 
-from conversion import safe_pickle
-from conversion.errors import CheckpointError
-from conversion.safetensors_io import RegionCopier, file_bytes
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import safe_pickle
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.safetensors_io import RegionCopier, file_bytes
+from modelzoo.conversion.transforms import RowBlocks
 
 
 @contextlib.contextmanager

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
-from conversion import engine, megatron_ckpt
-from conversion.mapping import MappingTable
-from conversion.safetensors_io import CheckpointReader, ShardedWriter
-from conversion.validation import Bounds
+from modelzoo.conversion import engine, megatron_ckpt
+from modelzoo.conversion.mapping import MappingTable
+from modelzoo.conversion.safetensors_io import CheckpointReader, ShardedWriter
+from modelzoo.conversion.validation import Bounds
 from modelzoo import context_parallel, runtime
 from modelzoo.attention import IMPLEMENTATIONS
 from modelzoo.logprobs import next_token_logprobs, vocab_parallel_logprobs
@@ -86,7 +86,7 @@ class ModelProvider:
     supports_context_parallel: ClassVar[bool] = False
     # the weight names inference engines load (vLLM, SGLang): `modelzoo.sync.WeightSync`'s default naming
     engine_naming: ClassVar[str] = "hf"
-    # the ranges of its config fields beyond the generic checks (`conversion.validation.check_config`): windows,
+    # the ranges of its config fields beyond the generic checks (`modelzoo.conversion.validation.check_config`): windows,
     # ratios, iteration counts
     config_bounds: ClassVar[dict[str, Bounds]] = {}
     # count -> the fields whose product each unit of it holds weights of at least (every layer holds a norm of

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conversion.files import read_json
+from modelzoo.conversion.files import read_json
 
 if TYPE_CHECKING:
     from modelzoo.provider import ModelProvider
@@ -78,7 +78,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
         hf_dir = Path(hf_dir_or_config)
         config, where = read_hf_config(hf_dir), str(hf_dir / "config.json")
     provider = provider_class(config, where)
-    from conversion.validation import check_config  # here: it imports torch, which a refused model type does without
+    from modelzoo.conversion.validation import check_config  # here: it imports torch, which a refused model type does without
 
     check_config(config, provider.hf_config_class(), where, provider.config_bounds)
     try:
@@ -89,7 +89,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """config.json of a checkpoint folder: a JSON object, read as `conversion.files` reads a checkpoint's files."""
+    """config.json of a checkpoint folder: a JSON object, read as `modelzoo.conversion.files` reads a checkpoint's files."""
     path = Path(folder) / "config.json"
     if not (path.exists() or path.is_symlink()):
         raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from conversion.sync import (MLA_GROUPS, GroupIndex, Naming, Tensors, adapter_groups, nbytes, pack_chunks,
+from modelzoo.conversion.sync import (MLA_GROUPS, GroupIndex, Naming, Tensors, adapter_groups, nbytes, pack_chunks,
                              peft_target_filter)
 from modelzoo.provider import ModelProvider
 

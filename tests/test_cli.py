@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -33,7 +33,7 @@ def test_import_export_reproduces_every_tensor_bit_exactly(tmp_path, capsys, lla
 def test_a_conversion_leaves_the_objects_it_found_out_of_the_gcs_collections():
     import gc
 
-    from conversion import cli
+    from modelzoo.conversion import cli
 
     found = [cli]
     with cli._existing_objects_not_collected():

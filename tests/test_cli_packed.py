@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import TINY
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 LOGPROB_TOLERANCE = 1e-5
 SEQUENCES = [[1, 2, 3, 4, 5, 6, 7], [9, 8], list(range(10, 50)), [200, 3, 17, 99, 5]]

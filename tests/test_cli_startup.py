@@ -16,7 +16,7 @@ from modelzoo import registry
 # and prints, after each, its exit code, its stderr and which of the watched modules are imported by then.
 STEPS = """
 import contextlib, io, json, sys
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 WATCHED = ("torch", "megatron.core", "transformers.modeling_utils", "modelzoo.deepseek_v4", "modelzoo.loopcoder")
 for argv in json.loads(sys.argv[1]):

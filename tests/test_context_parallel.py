@@ -337,7 +337,7 @@ CLI_SEQUENCES = [[1, 2, 3, 4, 5, 6, 7], [9, 8], list(range(10, 50)), [200, 3, 17
 
 
 def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(CLI_SEQUENCES))
@@ -354,7 +354,7 @@ def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
 
 
 def test_cli_parity_at_tp2_cp2(capsys):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(TINY / "llama-tiny"), "--tp", "2", "--cp", "2", "--seq-len", "40", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -363,7 +363,7 @@ def test_cli_parity_at_tp2_cp2(capsys):
 
 
 def test_cli_refuses_cp_in_one_line(capsys):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(TINY / "deepseek-v4-tiny"), "--cp", "0"]) == 2
     error = capsys.readouterr().err.strip()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conversion.safetensors_io import CheckpointReader
+from modelzoo.conversion.safetensors_io import CheckpointReader
 from modelzoo import build_provider, runtime
 
 TINY = Path(__file__).resolve().parents[1] / "tiny_checkpoints"

@@ -28,8 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conversion import engine, megatron_ckpt
-from conversion.cli import main
+from modelzoo.conversion import engine, megatron_ckpt
+from modelzoo.conversion.cli import main
 
 TINY = Path(__file__).resolve().parents[1] / "tiny_checkpoints"
 SEED = 20261205

@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA devices")]

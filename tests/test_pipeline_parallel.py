@@ -37,7 +37,7 @@ import torch
 from conftest import TINY, write_llama_variant
 from safetensors.torch import load_file
 
-from conversion import megatron_ckpt
+from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, context_parallel, runtime
 from modelzoo.parity import load_hf_model, logprobs_from_logits
 
@@ -309,7 +309,7 @@ def test_token_logprobs_with_sequence_or_context_parallel_stages_equal_transform
 
 
 def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     folder = CHECKPOINTS["deepseek_v4"]
     assert main(["import", str(folder), str(tmp_path / "megatron"), "--pp", "2"]) == 0
@@ -323,7 +323,7 @@ def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
 def test_cli_parity_and_logprobs_at_pp_2(tmp_path, references):
     import json
 
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "2", "--seq-len", "24", "--tolerance",
                  str(LOGPROB_TOLERANCE)]) == 0
@@ -336,7 +336,7 @@ def test_cli_parity_and_logprobs_at_pp_2(tmp_path, references):
 
 
 def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "3"]) == 2
     assert "pipeline parallel size 3 must divide the 2 decoder layers" in capsys.readouterr().err
@@ -344,7 +344,7 @@ def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
 
 @pytest.mark.parametrize("layout", [["--pp", "2", "--cp", "2"], ["--pp", "2", "--tp", "2", "--sp"]])
 def test_cli_parity_with_sequence_or_context_parallel_stages(layout):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["deepseek_v4"]), *layout, "--seq-len", "24", "--tolerance",
                  str(LOGPROB_TOLERANCE)]) == 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 
-from conversion import quantization as q
+from modelzoo.conversion import quantization as q
 
 E8M0 = torch.float8_e8m0fnu
 

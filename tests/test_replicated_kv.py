@@ -15,8 +15,8 @@ import torch
 from conftest import load_make_tiny
 from safetensors.torch import load_file
 
-from conversion import megatron_ckpt
-from conversion.cli import main
+from modelzoo.conversion import megatron_ckpt
+from modelzoo.conversion.cli import main
 from modelzoo import build_provider, lora, runtime
 from modelzoo.parity import logprobs_from_logits
 

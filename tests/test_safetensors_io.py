@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conversion import safetensors_io
-from conversion.safetensors_io import INDEX_FILE, MAP_MIN_BYTES, CheckpointError, CheckpointReader, ShardedWriter
+from modelzoo.conversion import safetensors_io
+from modelzoo.conversion.safetensors_io import INDEX_FILE, MAP_MIN_BYTES, CheckpointError, CheckpointReader, ShardedWriter
 
 
 def tensors():
@@ -284,7 +284,7 @@ def test_an_error_of_a_copy_ending_while_the_pending_ones_are_looked_at_is_not_l
 
 def test_a_writer_refuses_non_finite_values_unless_allowed(tmp_path):
     """Read on the checking thread beside the copies; the error is raised before the shard is closed."""
-    from conversion import validation
+    from modelzoo.conversion import validation
 
     tensor = torch.ones(1000)
     tensor[517] = float("inf")

@@ -261,7 +261,7 @@ def test_sequence_parallel_at_tp1_is_refused(architecture):
 
 # --- the CLI: `--sp` beside `--tp` -----------------------------------------------------------------------------------
 def test_cli_parity_with_sp_pads_rows_the_ranks_cannot_split(capsys):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     # 41 tokens: plain rows are right-padded to 42 with a padding mask, the packed slots to even lengths
     assert main(["parity", str(CHECKPOINTS["loopcoder"]), "--tp", "2", "--sp", "--seq-len", "41", "--json"]) == 0
@@ -272,7 +272,7 @@ def test_cli_parity_with_sp_pads_rows_the_ranks_cannot_split(capsys):
 
 
 def test_cli_packed_logprobs_with_sp_equal_the_hf_backend(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(packed_sequences()))
@@ -290,7 +290,7 @@ def test_cli_packed_logprobs_with_sp_equal_the_hf_backend(tmp_path):
 
 @pytest.mark.parametrize("command", ["parity", "logprobs"])
 def test_cli_sp_without_two_tensor_parallel_ranks_is_refused(tmp_path, capsys, command):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     extra = ["--tokens", str(tmp_path / "tokens.json"), "--out", str(tmp_path / "out.json")]
     if command == "parity":

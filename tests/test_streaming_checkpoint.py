@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conversion import engine, megatron_ckpt
-from conversion.safetensors_io import MAP_MIN_BYTES, CheckpointReader, RegionCopier
-from conversion.torch_dist_streaming import without_crc32
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import engine, megatron_ckpt
+from modelzoo.conversion.safetensors_io import MAP_MIN_BYTES, CheckpointReader, RegionCopier
+from modelzoo.conversion.torch_dist_streaming import without_crc32
+from modelzoo.conversion.transforms import RowBlocks
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 from conftest import ROOT, TINY
@@ -37,7 +37,7 @@ MiB = 2**20
 CHILD = """
 import resource, sys, torch
 from pathlib import Path
-from conversion import engine, megatron_ckpt
+from modelzoo.conversion import engine, megatron_ckpt
 from modelzoo import runtime
 from modelzoo.registry import build_provider
 
@@ -272,7 +272,7 @@ def test_import_copies_the_tensors_it_saves_as_read_from_the_source_files(tmp_pa
 
 
 def test_a_view_is_saved_as_its_clone_without_copying():
-    from conversion.torch_dist_streaming import with_own_storage
+    from modelzoo.conversion.torch_dist_streaming import with_own_storage
 
     base = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
     for view in (base[2:5], base[:, 1:3]):
@@ -298,7 +298,7 @@ def test_streamed_reading_gives_what_megatron_loads(tmp_path, tp):
 def test_streamed_reading_unpickles_its_metadata_once(tmp_path, monkeypatch):
     """One load per group; `.metadata` is unpickled once, by the restricted unpickler, and the reader of
     every group takes that (Megatron's load of the common state reads it with a reader of its own)."""
-    from conversion import safe_pickle
+    from modelzoo.conversion import safe_pickle
 
     source = TINY / "loopcoder-tiny"
     _save_tiny(0, str(source), str(tmp_path / "megatron"), tp=1)
@@ -347,7 +347,7 @@ def _compare_streamed_with_megatron(rank, source, folder, tp):
 def test_a_stand_in_is_written_as_the_blocks_it_stands_for(tmp_path):
     """What the .distcp writer writes for a tensor that stands in for row blocks (a fused QKV): the
     blocks, in order, when torch.save hands over its storage whole; an error when it does not."""
-    from conversion.torch_dist_streaming import CopyingStream
+    from modelzoo.conversion.torch_dist_streaming import CopyingStream
 
     blocks = [torch.arange(16.0).reshape(2, 8), torch.full((1, 8), -1.0), torch.ones(3, 8)]
     stand_in = torch.empty(6, 8)

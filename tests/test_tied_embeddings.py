@@ -17,7 +17,7 @@ from conftest import load_make_tiny
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM, LlamaForCausalLM
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 from modelzoo import build_provider, runtime
 from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 from modelzoo.loopcoder.hf_model import IQuestLoopCoderForCausalLM

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conversion.mapping import MappingError, MappingTable, Rule
-from conversion.transforms import Direct, FusedGateUp, FusedQKV, PadVocab, RowBlocks, Stack
+from modelzoo.conversion.mapping import MappingError, MappingTable, Rule
+from modelzoo.conversion.transforms import Direct, FusedGateUp, FusedQKV, PadVocab, RowBlocks, Stack
 
 
 @settings(max_examples=30, deadline=None)

@@ -26,9 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conversion import megatron_ckpt, safe_pickle
-from conversion.cli import main
-from conversion.safetensors_io import CheckpointReader
+from modelzoo.conversion import megatron_ckpt, safe_pickle
+from modelzoo.conversion.cli import main
+from modelzoo.conversion.safetensors_io import CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tiny_checkpoints"
@@ -584,7 +584,7 @@ def test_logprobs_writes_strict_json(capsys, tmp_path):
 
 FULL_DISK = """
 import errno, os, sys
-from conversion import cli, torch_dist_streaming
+from modelzoo.conversion import cli, torch_dist_streaming
 
 class FillingFile:
     # the .distcp file, on a disk that is full after a few writes
@@ -629,7 +629,7 @@ def test_a_read_only_output_or_a_full_disk_gets_one_line(capsys, tmp_path, monke
     def fail(*args, **kwargs):
         raise OSError(number, os.strerror(number))
 
-    where = "tempfile.mkdtemp" if number == errno.EROFS else "conversion.safetensors_io.RegionCopier.write"
+    where = "tempfile.mkdtemp" if number == errno.EROFS else "modelzoo.conversion.safetensors_io.RegionCopier.write"
     monkeypatch.setattr(where, fail)
     argv = ["import", LLAMA, tmp_path / "out"] if command == "import" else ["export", imported / "llama-tp1", tmp_path / "out"]
     assert_refused(capsys, argv, rf"{words} writing .*/out; nothing was written", tmp_path, [])
@@ -637,7 +637,7 @@ def test_a_read_only_output_or_a_full_disk_gets_one_line(capsys, tmp_path, monke
 
 
 def test_what_dead_runs_staged_is_removed_and_nothing_else(capsys, tmp_path):
-    from conversion.staging import remove_stale_staging, staging_prefix
+    from modelzoo.conversion.staging import remove_stale_staging, staging_prefix
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)  # a process that has ended
@@ -740,7 +740,7 @@ def test_fifos_sockets_and_devices_are_refused_before_opening(tmp_path, monkeypa
     argv = {"import": ["import", tmp_path / "hf", tmp_path / "out"],
             "export": ["export", tmp_path / "megatron", tmp_path / "out"],
             "logprobs": ["logprobs", tmp_path / "hf", "--tokens", tmp_path / "tokens.json", "--out", tmp_path / "out"]}
-    done = subprocess.run([sys.executable, "-m", "conversion.cli", *map(str, argv[command])], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "modelzoo.conversion.cli", *map(str, argv[command])], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     line = one_error_line(done.stderr)
     what = {"fifo": "a FIFO", "socket": "a socket", "/dev/zero": "a character device"}[kind]
@@ -1360,7 +1360,7 @@ def start_slow_import(tmp_path: Path, out: Path, tp: int, session: bool = False)
     hooks.mkdir(exist_ok=True)
     (hooks / "sitecustomize.py").write_text(SLOW_PUBLISH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)]), "PUBLISH_WAIT": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(out), "--tp", str(tp)],
+    process = subprocess.Popen([sys.executable, "-m", "modelzoo.conversion.cli", "import", str(LLAMA), str(out), "--tp", str(tp)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=session)
     deadline = time.monotonic() + 240
@@ -1449,14 +1449,14 @@ def test_a_second_sigterm_during_the_clean_up_of_the_first_does_not_cut_it_short
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SIGNALLED_TWICE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(tmp_path / "out")],
+    done = subprocess.run([sys.executable, "-m", "modelzoo.conversion.cli", "import", str(LLAMA), str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == "modelzoo: terminated; nothing was written"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
-# in the first process of the run that imports conversion.engine (after the command's signal handlers are in
+# in the first process of the run that imports modelzoo.conversion.engine (after the command's signal handlers are in
 # place), a SIGTERM arrives and its exception is swallowed, as a library's broad `except` around an import would
 SWALLOWING = '''
 import importlib.abc, os, signal, sys, time
@@ -1464,7 +1464,7 @@ import importlib.abc, os, signal, sys, time
 
 class Swallowing(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "conversion.engine":
+        if name == "modelzoo.conversion.engine":
             try:
                 os.close(os.open(os.path.join(os.environ["SWALLOWED"], "swallowed"), os.O_CREAT | os.O_EXCL))
             except FileExistsError:
@@ -1487,7 +1487,7 @@ def test_a_sigterm_whose_exception_is_swallowed_still_stops_the_command(tmp_path
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SWALLOWING)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)]), "SWALLOWED": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "conversion.cli", "import", str(LLAMA), str(tmp_path / "out"),
+    done = subprocess.run([sys.executable, "-m", "modelzoo.conversion.cli", "import", str(LLAMA), str(tmp_path / "out"),
                            "--tp", str(tp)], env=env, capture_output=True, text=True, timeout=300)
     assert (tmp_path / "swallowed").exists(), "the signal came"
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]

@@ -19,7 +19,7 @@ from conftest import TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conversion.sync import (MLA_GROUPS, GroupIndex, UpdateGroup, UpdateGroupError, adapter_groups, nbytes,
+from modelzoo.conversion.sync import (MLA_GROUPS, GroupIndex, UpdateGroup, UpdateGroupError, adapter_groups, nbytes,
                              pack_chunks, peft_target_filter)
 from modelzoo import build_provider, runtime
 from modelzoo.llama import LlamaProvider

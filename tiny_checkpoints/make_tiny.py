@@ -113,7 +113,7 @@ def write_sharded_loopcoder(folder: Path, config: dict, max_shard_bytes: int) ->
     """A large LoopCoder-shaped bf16 checkpoint in several shards (the streaming tests, the conversion
     benchmark): random weights from one seeded generator. Returns (total bytes, largest tensor's bytes)."""
     sys.path.insert(0, str(HERE.parent))
-    from conversion.safetensors_io import ShardedWriter
+    from modelzoo.conversion.safetensors_io import ShardedWriter
 
     generator = torch.Generator().manual_seed(0)
     largest = 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV4Config
 
-from conversion import megatron_ckpt
-from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from modelzoo.conversion import megatron_ckpt
+from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from modelzoo.deepseek_v4 import config as v4_config
 from modelzoo.deepseek_v4.bridge import deepseek_v4_mapping
 from modelzoo.provider import ModelProvider

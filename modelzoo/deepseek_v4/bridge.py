@@ -7,8 +7,8 @@ the `model.` prefix but reverts most leaves to the release's native names (`attn
 the release's native names (`mtp.K.*`, with `attn.kv_norm` and `hc_head_*`).
 """
 
-from conversion.mapping import Indices, MappingTable, Rule
-from conversion.transforms import PadVocab, Stack
+from modelzoo.conversion.mapping import Indices, MappingTable, Rule
+from modelzoo.conversion.transforms import PadVocab, Stack
 
 
 def _layer_rules(mg: str, hf: str, num_experts: int, kv_norm: str) -> list[Rule]:

@@ -15,7 +15,7 @@ import math
 import torch
 from transformers import DeepseekV4Config
 
-from conversion.validation import Bounds
+from modelzoo.conversion.validation import Bounds
 from modelzoo.provider import SWIGLU_RMSNORM_FIELDS
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from conversion import quantization as q
-from conversion.files import confined, read_json
-from conversion.native import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
-from conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
+from modelzoo.conversion import quantization as q
+from modelzoo.conversion.files import confined, read_json
+from modelzoo.conversion.native import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
+from modelzoo.conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
 
 # native -> bridge HF, whole names (checked first), then prefixes; MTP names are the same in both
 NAMES_EXACT = {
@@ -196,7 +196,7 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     """
     import torch.distributed as dist
 
-    from conversion.safetensors_io import ShardedWriter
+    from modelzoo.conversion.safetensors_io import ShardedWriter
     from modelzoo.provider import TOKENIZER_FILES
 
     source = Path(source_dir) if source_dir is not None else provider.hf_dir

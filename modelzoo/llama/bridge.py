@@ -1,7 +1,7 @@
 """Llama <-> Megatron-Core GPTModel (local layer spec): every tensor name, both ways."""
 
-from conversion.mapping import MappingTable, Rule
-from conversion.transforms import FusedGateUp, FusedQKV, PadVocab
+from modelzoo.conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.transforms import FusedGateUp, FusedQKV, PadVocab
 
 
 def llama_mapping(vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> MappingTable:

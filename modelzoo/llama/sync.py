@@ -3,7 +3,7 @@
 Names are the HF names of `bridge.py`; Llama has no naming of its own besides them.
 """
 
-from conversion.sync import Naming, UpdateGroup
+from modelzoo.conversion.sync import Naming, UpdateGroup
 
 ATTENTION_QKV = UpdateGroup("qkv_proj", ("model.layers.*.self_attn.q_proj.weight",
                                          "model.layers.*.self_attn.k_proj.weight",

@@ -1,6 +1,6 @@
 """LoopCoder <-> Megatron: the Llama table plus each layer's loop gate (at model level on the HF side)."""
 
-from conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.mapping import MappingTable, Rule
 from modelzoo.llama.bridge import llama_mapping
 
 

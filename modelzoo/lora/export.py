@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
-from conversion import engine, megatron_ckpt, validation
-from conversion.mapping import compile_pattern, fill_pattern
-from conversion.staging import staged_folder
+from modelzoo.conversion import engine, megatron_ckpt, validation
+from modelzoo.conversion.mapping import compile_pattern, fill_pattern
+from modelzoo.conversion.staging import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
 from modelzoo.lora.targets import projections, target_table
 

@@ -34,8 +34,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from conversion.engine import ShardLayout
-from conversion.transforms import FusedGateUp
+from modelzoo.conversion.engine import ShardLayout
+from modelzoo.conversion.transforms import FusedGateUp
 from modelzoo import runtime
 from modelzoo.lora.targets import compile_module_pattern, projections, resolve, target_table, weight_rule
 

@@ -21,7 +21,7 @@ import importlib
 import re
 from collections.abc import Iterable
 
-from conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.mapping import MappingTable, Rule
 
 ALL_LINEAR = "all-linear"
 

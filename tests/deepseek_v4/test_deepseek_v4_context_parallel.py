@@ -470,7 +470,7 @@ def test_recorded_decisions_replay_on_each_rank(ranks):
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------
 def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     sequences = [sequence for sequence in _data()[0] if len(sequence) > 1]  # the CLI needs 2 tokens or more
     tokens = tmp_path / "tokens.json"

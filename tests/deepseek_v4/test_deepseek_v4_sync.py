@@ -17,7 +17,7 @@ import torch
 from dsv4_helpers import provider_for
 from test_weight_sync import FusingEngine, chunk_size_cases, group_sizes, unequal_tensors
 
-from conversion.sync import GroupIndex, UpdateGroupError
+from modelzoo.conversion.sync import GroupIndex, UpdateGroupError
 from modelzoo import lora, runtime
 from modelzoo.deepseek_v4.native import hf_to_native as to_native
 from modelzoo.deepseek_v4.sync import NAMINGS

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conversion.engine import megatron_tensors
-from conversion.safetensors_io import CheckpointError, CheckpointReader
+from modelzoo.conversion.engine import megatron_tensors
+from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader
 from modelzoo import runtime
 from modelzoo.deepseek_v4 import native
 from conftest import TINY

@@ -11,7 +11,7 @@ from dsv4_helpers import provider_for, write_tiny
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM
 
-from conversion.mapping import MappingError
+from modelzoo.conversion.mapping import MappingError
 from modelzoo import runtime
 
 

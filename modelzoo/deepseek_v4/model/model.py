@@ -277,7 +277,7 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
             make_tp_sharded_tensor_for_checkpoint,
         )
 
-        from conversion.engine import checkpoint_name_of
+        from modelzoo.conversion.engine import checkpoint_name_of
 
         if sharded_offsets:
             raise NotImplementedError("DeepSeek-V4: virtual pipeline (prepended) checkpoint offsets are not supported")
