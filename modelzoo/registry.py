@@ -27,8 +27,8 @@ class BuiltinArchitecture:
 
 
 BUILTIN_ARCHITECTURES = {
-    "deepseek_v4": BuiltinArchitecture("modelzoo.deepseek_v4", ("deepseek_v4",), ("DeepseekV4ForCausalLM",)),
-    "llama": BuiltinArchitecture("modelzoo.llama", ("llama",), ("LlamaForCausalLM",)),
+    "deepseek_v4": BuiltinArchitecture("modelzoo.deepseek_v4.provider", ("deepseek_v4",), ("DeepseekV4ForCausalLM",)),
+    "llama": BuiltinArchitecture("modelzoo.llama.provider", ("llama",), ("LlamaForCausalLM",)),
     "loopcoder": BuiltinArchitecture("modelzoo.loopcoder.provider", ("iquestloopcoder",),
                                      ("IQuestLoopCoderForCausalLM",)),
 }

@@ -318,7 +318,7 @@ def test_batches_that_cannot_be_split_are_refused():
 
 
 def test_models_without_context_parallelism_refuse_it():
-    from modelzoo.llama import LlamaProvider
+    from modelzoo.llama.provider import LlamaProvider
 
     class WithoutContextParallelism(LlamaProvider):
         supports_context_parallel = False

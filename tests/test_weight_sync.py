@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from modelzoo.conversion.sync import (MLA_GROUPS, GroupIndex, UpdateGroup, UpdateGroupError, adapter_groups, nbytes,
                              pack_chunks, peft_target_filter)
 from modelzoo import build_provider, runtime
-from modelzoo.llama import LlamaProvider
+from modelzoo.llama.provider import LlamaProvider
 from modelzoo.llama.sync import NAMINGS as LLAMA_NAMINGS
 from modelzoo.sync import WeightSync, engine_naming, iter_weight_chunks
 
@@ -463,7 +463,7 @@ def documented_deepseek_v4_table() -> dict:
 
 def deepseek_v4_exported_names() -> list[str]:
     """Names as the bridge exports them (save_pretrained's) for a sliding, a CSA (compressor + indexer) and an
-    HCA (compressor only) layer and one MTP block, in the bridge's rule order."""
+    HCA (compressor only) layer and one MTP block, in the mapping's rule order."""
     def block(prefix, compressor, indexer):
         names = [f"{prefix}.attn.{leaf}" for leaf in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight",
                                                       "wo_a.weight", "wo_b.weight", "attn_sink")]
@@ -491,7 +491,7 @@ def test_the_documented_deepseek_v4_table_is_plain_data_the_machinery_accepts():
         engine.load_weights(chunk)
     assert len(engine.weights) == len(names)
     hf = namespace["NAMINGS"]["hf"]
-    exported_names = [f"model.layers.1.attn.{leaf}.weight" for leaf in (  # the bridge's (save_pretrained) names
+    exported_names = [f"model.layers.1.attn.{leaf}.weight" for leaf in (  # the mapping's (save_pretrained) names
         "wq_a", "wq_b", "wkv", "compressor.wkv", "compressor.wgate",
         "indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.wq_b")]
     units = [[name for name, _ in chunk] for chunk, _ in pack_chunks(stream(exported_names), GroupIndex(hf.groups), 1)]

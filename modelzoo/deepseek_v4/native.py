@@ -1,9 +1,9 @@
 """DeepSeek-V4 release checkpoints: native tensor names, FP8 block-scaled and MXFP4 weights.
 
 The release (deepseek-ai's own layout, what transformers' conversion_mapping "deepseek_v4" renames on
-load) differs from the HF names of bridge.py in two ways:
+load) differs from the HF names of mapping.py in two ways:
   names      `embed.weight`, `layers.N.*`, `norm.weight`, `hc_head_{fn,base,scale}`, `layers.N.attn.kv_norm`
-             against bridge.py's `model.embed_tokens.weight`, `model.layers.N.*`, `model.norm.weight`,
+             against mapping.py's `model.embed_tokens.weight`, `model.layers.N.*`, `model.norm.weight`,
              `model.hc_head.hc_*`, `model.layers.N.attn.norm`; `head.weight` and `mtp.K.*` are the same.
   precision  attention and shared-expert matrices FP8 E4M3 with a scale per 128x128 block (`<x>.scale`,
              E8M0 or F32); routed experts MXFP4 (post-trained Flash) or FP8 (base). Everything else
@@ -111,7 +111,7 @@ def release_format(native_name: str, experts: str = "mxfp4") -> str | None:
 
 
 def checkpoint_view(folder_or_reader, dtype: torch.dtype = torch.float32, naming: str | None = None) -> CheckpointView:
-    """The checkpoint under bridge.py's HF names, dequantised into `dtype` on read.
+    """The checkpoint under mapping.py's HF names, dequantised into `dtype` on read.
 
     `naming`: 'native' | 'hf' | None (detected from the tensor names).
     """

@@ -8,7 +8,7 @@ hc_mult=4 streams (with 2 streams a doubly-stochastic mixer is symmetric and a t
 would go unnoticed), a sliding window (16) and compression rates (4, 16) below a 64-token test
 sequence, an indexer top-k (4) below the 16 compressed entries, a YaRN "compress" RoPE, a
 swiglu_limit (1.0) that actually clamps, a vocabulary (250) that Megatron pads, and one MTP layer.
-Tensor names are those transformers' `save_pretrained` writes (see bridge.py), plus `mtp.0.*`.
+Tensor names are those transformers' `save_pretrained` writes (see mapping.py), plus `mtp.0.*`.
 Every tensor is drawn from a generator seeded by zlib.crc32(name), like tiny_checkpoints/make_tiny.py.
 """
 

@@ -60,7 +60,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
 from modelzoo import build_provider, lora  # noqa: E402
-from modelzoo.deepseek_v4 import DeepseekV4Provider  # noqa: E402
+from modelzoo.deepseek_v4.provider import DeepseekV4Provider  # noqa: E402
 from modelzoo.deepseek_v4.model.model import DeepseekV4Model  # noqa: E402
 from modelzoo.loopcoder.model import LoopCoderModel  # noqa: E402
 from modelzoo.loopcoder.provider import LoopCoderProvider  # noqa: E402

@@ -1,6 +1,6 @@
 """Llama: the tensors vLLM and SGLang fuse on load, so a weight sync sends each set in one call.
 
-Names are the HF names of `bridge.py`; Llama has no naming of its own besides them.
+Names are the HF names of `mapping.py`; Llama has no naming of its own besides them.
 """
 
 from modelzoo.conversion.sync import Naming, UpdateGroup

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from modelzoo.llama import check_llama_supported, llama_transformer_fields
-from modelzoo.loopcoder.bridge import loopcoder_mapping
+from modelzoo.llama.config import check_llama_supported, llama_transformer_fields
+from modelzoo.loopcoder.mapping import loopcoder_mapping
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL, IQuestLoopCoderConfig
 from modelzoo.provider import ModelProvider
 from modelzoo.registry import register

@@ -3,7 +3,7 @@
 tiny_checkpoints/deepseek-v4-tiny-native is the tiny model (q_lora_rank 144, moe_intermediate 48: dims
 that are not multiples of 128 / 32) quantised by conversion/quantization.py into the release layout,
 in native names, in several shards. `dequantised` below is the same checkpoint dequantised to fp32 under
-bridge.py's HF names: the plain import path and transformers read it.
+mapping.py's HF names: the plain import path and transformers read it.
 """
 
 import json

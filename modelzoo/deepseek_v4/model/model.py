@@ -7,7 +7,7 @@
 
 Tensors are batch-first [B, S, ...] throughout, like transformers, so that the parity path runs
 the same ops in the same order. Module names follow Megatron's (embedding / decoder / output_layer,
-linear_q_down_proj, linear_proj, pre_mlp_layernorm, ...); bridge.py maps them to the HF names.
+linear_q_down_proj, linear_proj, pre_mlp_layernorm, ...); mapping.py maps them to the HF names.
 
 The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). In packed rows and padded batches the
 batch's `TokenLayout` keeps each sequence to itself: its sliding window, its own compressor windows (no

@@ -2,7 +2,7 @@
 
 The tiny file must be exactly what transformers reads and writes: `from_pretrained` consumes every
 tensor (MTP aside, which transformers skips on purpose), and `save_pretrained` of the loaded model
-writes back the same names with the same bytes. So the bridge's HF names are transformers' names.
+writes back the same names with the same bytes. So the mapping's HF names are transformers' names.
 """
 
 import pytest

@@ -1,7 +1,7 @@
 """LoopCoder <-> Megatron: the Llama table plus each layer's loop gate (at model level on the HF side)."""
 
 from modelzoo.conversion.mapping import MappingTable, Rule
-from modelzoo.llama.bridge import llama_mapping
+from modelzoo.llama.mapping import llama_mapping
 
 
 def loopcoder_mapping(vocab_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> MappingTable:
