@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,10 @@ from modelzoo.conversion.validation import Bounds
 from modelzoo import context_parallel, runtime
 from modelzoo.attention import IMPLEMENTATIONS
 from modelzoo.logprobs import next_token_logprobs, vocab_parallel_logprobs
+
+if TYPE_CHECKING:
+    from modelzoo.conversion.sync import Naming
+    from modelzoo.lora.targets import TargetTable
 
 # files carried from an HF checkpoint folder to an exported one besides config.json and the weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -94,6 +98,13 @@ class ModelProvider:
     weights_per_unit: ClassVar[dict[str, tuple[str, ...]]] = {"num_hidden_layers": ("hidden_size",)}
     # the options `model_options()` records in a Megatron checkpoint, with their types
     recorded_options: ClassVar[dict[str, type]] = {}
+    # checkpoint formats besides "hf" (`checkpoint_reader` and `save_checkpoint` take them): name -> description
+    checkpoint_formats: ClassVar[dict[str, str]] = {}
+    # the options it adds to the `modelzoo` command: flag -> argparse keywords, plus "commands" (those that take
+    # it) and "passed_to" ("provider": a `build_provider` keyword, "save": a `save_checkpoint` keyword; passed only
+    # when it is not its default). Literals only: the command reads them (and the three above) from the source of
+    # a built-in provider without importing it (`modelzoo.registry`)
+    cli_options: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, hf_config: PretrainedConfig, hf_dir: str | Path | None = None,
                  attention: str = "exact", params_dtype: torch.dtype = torch.float32, **config_overrides: Any):
@@ -150,6 +161,19 @@ class ModelProvider:
     def hf_model_class(self):
         """The transformers class that is the parity oracle for this architecture."""
         raise NotImplementedError
+
+    @classmethod
+    def lora_targets(cls) -> TargetTable:
+        """The modules LoRA adapts and refuses (`LORA_TARGETS`, data in the architecture's lora.py)."""
+        raise ValueError(f"LoRA has no target table for {cls.name} yet (declare one: `lora_targets`, "
+                         f"docs/architecture.md)")
+
+    @classmethod
+    def sync_namings(cls) -> dict[str, Naming]:
+        """Engine naming ("hf", and any the architecture adds) -> the tensors an engine fuses on load (`NAMINGS`,
+        data in the architecture's sync.py)."""
+        raise ValueError(f"{cls.name}: no update groups declared: a weight sync could split tensors an engine "
+                         f"fuses; declare them (`sync_namings`, docs/weight_sync.md)")
 
     # --- generic ------------------------------------------------------------------------------
     def _check_overrides(self) -> None:
@@ -256,10 +280,14 @@ class ModelProvider:
             return cast_floating(self.build_model(config), self.params_dtype)
 
     def checkpoint_reader(self, folder: Path, naming: str | None = None):
-        """How this architecture reads a checkpoint folder; one with a native release format overrides it."""
+        """How this architecture reads a checkpoint folder; one with formats of its own overrides it."""
         if naming not in (None, "hf"):
             raise ValueError(f"{self.name} checkpoints have only the 'hf' naming, not {naming!r}")
         return CheckpointReader(folder)
+
+    def keep_source_files(self, reader, folder: Path) -> None:
+        """At import: write into `folder` (the Megatron checkpoint's HF side) what an export needs of the source
+        beyond its weights and config; `reader` is `checkpoint_reader`'s (a quantised release keeps its scales)."""
 
     def load_hf_weights(self, model: torch.nn.Module, hf_dir: str | Path | None = None, progress: bool = True,
                         naming: str | None = None) -> None:
@@ -306,7 +334,7 @@ class ModelProvider:
 
     def save_checkpoint(self, model: torch.nn.Module, out_dir: str | Path, format: str = "hf",
                         quantize: str | None = None, **options) -> int:
-        """`save_hf`, or an architecture's native release format (`format="native"`, `quantize="fp8"`)."""
+        """`save_hf`, or a format of the architecture's own (`checkpoint_formats`), e.g. quantised."""
         if format != "hf" or quantize is not None:
             raise ValueError(f"{self.name} checkpoints are written only in the 'hf' format without quantisation")
         return self.save_hf(model, out_dir, **options)

@@ -54,6 +54,19 @@ class DeepseekV4Provider(ModelProvider):
     config_bounds = v4_config.CONFIG_BOUNDS
     weights_per_unit = v4_config.WEIGHTS_PER_UNIT
     recorded_options = {"build_mtp": bool}
+    checkpoint_formats = {"native": "the release checkpoint's names, FP8 / MXFP4 weights (dequantised on import)"}
+    cli_options = {
+        "--require-mtp": {"commands": ("import", "logprobs", "parity"), "passed_to": "provider",
+                          "action": "store_true", "default": False,
+                          "help": "refuse a checkpoint without the MTP layers its config describes (default: load "
+                                  "it without them, with a warning)"},
+        "--quantize": {"commands": ("export",), "passed_to": "save", "choices": ("none", "fp8"), "default": "none",
+                       "help": "fp8: re-quantise to the release layout (FP8 128x128 blocks, MXFP4 routed experts)"},
+        "--experts": {"commands": ("export",), "passed_to": "save", "choices": ("mxfp4", "fp8"), "default": None,
+                      "help": "routed-expert format with --quantize"},
+        "--scale-format": {"commands": ("export",), "passed_to": "save", "choices": ("keep", "e8m0", "f32"),
+                           "default": "keep", "help": "FP8 scale format (keep: the source checkpoint's)"},
+    }
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  mtp_loss_scale: float = 0.0, build_mtp: bool = True, require_mtp: bool = False,
@@ -126,10 +139,27 @@ class DeepseekV4Provider(ModelProvider):
                            f"--require-mtp, refuses it)")
         return view
 
+    def keep_source_files(self, reader, folder):
+        from modelzoo.conversion.native import keep_source_scales
+
+        keep_source_scales(reader, folder)
+
     def save_checkpoint(self, model, out_dir, format="hf", quantize=None, **options):
         from modelzoo.deepseek_v4 import native
 
         return native.save(self, model, out_dir, naming=format, quantize=quantize, **options)
+
+    @classmethod
+    def lora_targets(cls):
+        from modelzoo.deepseek_v4.lora import LORA_TARGETS  # imports modelzoo.lora (Megatron-Core): not for reading a config
+
+        return LORA_TARGETS
+
+    @classmethod
+    def sync_namings(cls):
+        from modelzoo.deepseek_v4.sync import NAMINGS
+
+        return NAMINGS
 
     def mapping(self):
         return deepseek_v4_mapping(self.hf_config.vocab_size, self.hf_config.n_routed_experts)

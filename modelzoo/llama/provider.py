@@ -41,6 +41,18 @@ class LlamaProvider(ModelProvider):
                                hf.rope_parameters["rope_theta"], hf.tie_word_embeddings, hf.num_key_value_heads,
                                hf.vocab_size, **self.pipeline_stage())
 
+    @classmethod
+    def lora_targets(cls):
+        from modelzoo.llama.lora import LORA_TARGETS  # imports modelzoo.lora (Megatron-Core): not for reading a config
+
+        return LORA_TARGETS
+
+    @classmethod
+    def sync_namings(cls):
+        from modelzoo.llama.sync import NAMINGS
+
+        return NAMINGS
+
     def mapping(self):
         hf = self.hf_config
         return llama_mapping(hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)

@@ -55,6 +55,18 @@ class LoopCoderProvider(ModelProvider):
                               hf.num_key_value_heads, attention_impl=self.attention, train_gate=self.train_gate,
                               tie_word_embeddings=hf.tie_word_embeddings)
 
+    @classmethod
+    def lora_targets(cls):
+        from modelzoo.loopcoder.lora import LORA_TARGETS  # imports modelzoo.lora (Megatron-Core): not for reading a config
+
+        return LORA_TARGETS
+
+    @classmethod
+    def sync_namings(cls):
+        from modelzoo.loopcoder.sync import NAMINGS
+
+        return NAMINGS
+
     def mapping(self):
         hf = self.hf_config
         return loopcoder_mapping(hf.vocab_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)

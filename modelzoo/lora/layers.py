@@ -37,7 +37,7 @@ from torch import nn
 from modelzoo.conversion.engine import ShardLayout
 from modelzoo.conversion.transforms import FusedGateUp
 from modelzoo import runtime
-from modelzoo.lora.targets import compile_module_pattern, projections, resolve, target_table, weight_rule
+from modelzoo.lora.targets import compile_module_pattern, projections, resolve, weight_rule
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 
@@ -270,7 +270,7 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def resolve_targets(provider, names) -> dict[str, tuple[str, ...]]:
     """Module pattern -> HF projection names that LoRA would adapt for `names` (raises on refused / unknown)."""
     mapping = provider.mapping()
-    selection = resolve(target_table(provider.name), mapping, names, provider.name)
+    selection = resolve(provider.lora_targets(), mapping, names, provider.name)
     return {module: tuple(projections(mapping, module)[i].rsplit(".", 1)[-1] for i in indices)
             for module, indices in selection.items()}
 
@@ -287,7 +287,7 @@ def apply_lora(model: nn.Module, provider, config: LoRAConfig) -> list[str]:
         # checked on the model: a batch-first model's linears run on the gathered sequence and do not say so
         raise ValueError("LoRA: sequence parallelism is not supported; build the model with sequence_parallel=False")
     mapping = provider.mapping()
-    selection = resolve(target_table(provider.name), mapping, config.targets, provider.name)
+    selection = resolve(provider.lora_targets(), mapping, config.targets, provider.name)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     modules = dict(model.named_modules())
     plan = []

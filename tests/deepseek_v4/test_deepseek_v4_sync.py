@@ -129,9 +129,7 @@ def test_every_declared_group_that_can_occur_matches(synced):
     for naming in NAMING_IDS:
         declared = {group.fused for group in NAMINGS[naming].groups}
         assert synced[0]["none"][naming, "matched-groups"] == declared - INACTIVE_IN_TINY, naming
-    # the generic MLA table is added to "hf" and matches nothing in V4's names
-    assert {g.fused for g in engine_naming(provider_for(TINY), "hf").groups} - {g.fused for g in NAMINGS["hf"].groups} \
-        == {"fused_qkv_a_proj_with_mqa"}
+    assert engine_naming(provider_for(TINY), "hf") == NAMINGS["hf"]
 
 
 def test_merged_mode_sends_the_merged_weights(synced):
