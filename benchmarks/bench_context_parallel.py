@@ -116,7 +116,7 @@ def main() -> None:
         if args.model == "deepseek_v4":
             from bench_deepseek_v4 import model_config
 
-            from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+            from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
             write_deepseek_v4_tiny(scratch, model_config("large", args.cp * args.seq))
             folder = str(scratch)

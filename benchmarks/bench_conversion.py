@@ -195,8 +195,8 @@ def page_reporting() -> dict[str, str] | None:
 
 
 def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
-    sys.path.insert(0, str(ROOT / "tiny_checkpoints"))
-    from make_tiny import write_sharded_loopcoder
+    sys.path.insert(0, str(ROOT))
+    from tiny_checkpoints.make_tiny import write_sharded_loopcoder
 
     total_bytes, _ = write_sharded_loopcoder(folder, {**CONFIG, "num_hidden_layers": layers}, shard_bytes)
     return total_bytes

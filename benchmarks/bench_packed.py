@@ -51,7 +51,7 @@ def build(name: str):
     from bench_dense import scratch_folder
     from bench_deepseek_v4 import model_config, our_model
 
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
         write_deepseek_v4_tiny(folder, model_config("small", 0))

@@ -4,7 +4,7 @@
       latest_checkpointed_iteration.txt   "release"
       release/                            dist_checkpointing files: {"model": ..., "iteration": 0, ...}
       hf/                                 config.json and tokenizer files of the source checkpoint
-                                          (+ kept_scales/ of a quantised source, conversion/native.py)
+                                          (+ kept_scales/ of a quantised source, modelzoo/deepseek_v4/release/view.py)
       modelzoo.json                       architecture, dtype, TP size it was written at
 
 torch_dist stores each tensor with its global shape and this rank's slice, so a checkpoint written

@@ -1,4 +1,4 @@
-"""FP8 (128x128 block) and MXFP4 formats (conversion/quantization.py).
+"""FP8 (128x128 block) and MXFP4 formats (modelzoo/deepseek_v4/release/quantization.py).
 
 Oracles, independent of our code: transformers' own dequantisers (`_dequantize_fp8_weight`, which
 handles ragged edges, and `Fp8Dequantize._dequantize_one`, the FP4 path it uses for DeepSeek-V4 experts,
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
 
-from modelzoo.conversion import quantization as q
+from modelzoo.deepseek_v4.release import quantization as q
 
 E8M0 = torch.float8_e8m0fnu
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import load_make_tiny
+from tiny_checkpoints import make_tiny as make_tiny_module
 from safetensors.torch import load_file
 
 from modelzoo.conversion import megatron_ckpt
@@ -26,7 +26,7 @@ CASES = [("llama", 1, 2), ("loopcoder", 1, 2), ("loopcoder", 2, 4)]  # (architec
 
 
 def write_checkpoint(folder, architecture: str, kv_heads: int):
-    make_tiny = load_make_tiny()
+    make_tiny = make_tiny_module
     base, shapes = {"llama": (make_tiny.LLAMA_TINY, make_tiny.llama_shapes),
                     "loopcoder": (make_tiny.LOOPCODER_TINY, make_tiny.loopcoder_shapes)}[architecture]
     config = {**base, "num_key_value_heads": kv_heads}
@@ -169,7 +169,7 @@ def test_streamed_import_and_export_at_tp2(tmp_path):
 @pytest.mark.parametrize("heads, kv_heads, tp, allowed", [(4, 1, 2, True), (4, 2, 4, True), (12, 4, 6, False),
                                                           (4, 1, 8, False)])
 def test_tp_must_divide_or_be_a_multiple_of_the_kv_heads(heads, kv_heads, tp, allowed):
-    make_tiny = load_make_tiny()
+    make_tiny = make_tiny_module
     provider = build_provider({**make_tiny.LLAMA_TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                                "hidden_size": 16 * heads})
     if allowed:

@@ -128,7 +128,7 @@ class DeepseekV4Provider(ModelProvider):
 
     def checkpoint_reader(self, folder, naming=None):
         # release checkpoints: native names, FP8 / MXFP4 weights dequantised on read (docs/deepseek_v4.md)
-        from modelzoo.deepseek_v4.native import checkpoint_view
+        from modelzoo.deepseek_v4.release.checkpoint import checkpoint_view
 
         view = checkpoint_view(folder, self.params_dtype, naming)
         if self.mtp_not_in_checkpoint and not self._mtp_warning_given and megatron_ckpt.rank() == 0:
@@ -140,12 +140,12 @@ class DeepseekV4Provider(ModelProvider):
         return view
 
     def keep_source_files(self, reader, folder):
-        from modelzoo.conversion.native import keep_source_scales
+        from modelzoo.deepseek_v4.release.view import keep_source_scales
 
         keep_source_scales(reader, folder)
 
     def save_checkpoint(self, model, out_dir, format="hf", quantize=None, **options):
-        from modelzoo.deepseek_v4 import native
+        from modelzoo.deepseek_v4.release import checkpoint as native
 
         return native.save(self, model, out_dir, naming=format, quantize=quantize, **options)
 

@@ -13,7 +13,7 @@ conversion_mapping "deepseek_v4" in tests/deepseek_v4/test_deepseek_v4_sync.py).
 """
 
 from modelzoo.conversion.sync import Naming, UpdateGroup
-from modelzoo.deepseek_v4.native import hf_to_native
+from modelzoo.deepseek_v4.release.checkpoint import hf_to_native
 
 
 def _update_groups(layer: str, prefix: str = "") -> tuple[UpdateGroup, ...]:

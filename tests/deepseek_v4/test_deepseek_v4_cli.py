@@ -5,7 +5,7 @@ import torch
 from conftest import TINY
 from safetensors.torch import load_file, save_file
 
-from modelzoo.conversion import quantization as q
+from modelzoo.deepseek_v4.release import quantization as q
 from modelzoo.conversion.cli import main
 
 DEEPSEEK_V4 = TINY / "deepseek-v4-tiny"

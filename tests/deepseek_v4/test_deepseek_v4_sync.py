@@ -19,7 +19,7 @@ from test_weight_sync import FusingEngine, chunk_size_cases, group_sizes, unequa
 
 from modelzoo.conversion.sync import GroupIndex, UpdateGroupError
 from modelzoo import lora, runtime
-from modelzoo.deepseek_v4.native import hf_to_native as to_native
+from modelzoo.deepseek_v4.release.checkpoint import hf_to_native as to_native
 from modelzoo.deepseek_v4.sync import NAMINGS
 from modelzoo.sync import WeightSync, engine_naming
 

@@ -15,12 +15,10 @@ precision table: any weight that has a scale is dequantised.
     view = checkpoint_view(folder, dtype)            # a CheckpointReader over native or HF names
     load_weights(provider, model, folder)            # = provider.load_hf_weights through that view
     save(provider, model, out_dir, naming="native", quantize="fp8")
-    write_deepseek_v4_tiny_native(folder)            # tiny_checkpoints/deepseek-v4-tiny-native
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -28,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from modelzoo.conversion import quantization as q
 from modelzoo.conversion.files import confined, read_json
-from modelzoo.conversion.native import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
-from modelzoo.conversion.safetensors_io import INDEX_FILE, CheckpointError, CheckpointReader
+from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader
+from modelzoo.deepseek_v4.release import quantization as q
+from modelzoo.deepseek_v4.release.view import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
 
 # native -> bridge HF, whole names (checked first), then prefixes; MTP names are the same in both
 NAMES_EXACT = {
@@ -225,69 +223,3 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     finally:
         if kept is not None:
             kept.close()
-
-
-# --- the tiny native checkpoint -------------------------------------------------------------------
-def _tiny_module():
-    # by path, like tiny_checkpoints/make_tiny.py: importing the package pulls in transformers and Megatron
-    spec = importlib.util.spec_from_file_location("deepseek_v4_tiny", Path(__file__).with_name("tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def native_tiny_config() -> dict:
-    """The tiny config with dims that are not multiples of the block sizes: q_lora_rank 144 = 128 + 16
-    (wq_a has a partial second row block, wq_b and indexer.wq_b a partial second column block) and
-    moe_intermediate_size 48 = 32 + 16 (expert w2 rows end in a partial MXFP4 block); every other FP8
-    matrix is one partial 128x128 block."""
-    tiny = _tiny_module()
-    return {**tiny.DEEPSEEK_V4_TINY, "q_lora_rank": 144, "moe_intermediate_size": 48}
-
-
-def tiny_native_tensors(config: dict, scale_format: str = "e8m0") -> dict[str, torch.Tensor]:
-    tiny = _tiny_module()
-    out = {}
-    for hf_name, shape in sorted(tiny.deepseek_v4_shapes(config).items()):
-        name = hf_to_native(hf_name)
-        tensor = tiny.deepseek_v4_tensor(hf_name, shape, config)
-        fmt = release_format(name)
-        if fmt is None:
-            out[name] = tensor
-        else:
-            out[name], out[name[: -len(".weight")] + ".scale"] = q.quantize(tensor, fmt, SCALE_FORMATS[scale_format], name)
-    return out
-
-
-def write_deepseek_v4_tiny_native(folder, scale_format: str = "e8m0", shard_bytes: int = 256 * 1024) -> None:
-    """Write tiny_checkpoints/deepseek-v4-tiny-native: the tiny model (native_tiny_config) drawn by tiny.py's
-    generator, quantised into the release layout by conversion/quantization.py, in native names, sharded
-    into several files (model-0000k-of-0000n.safetensors + index) so that imports read across shards.
-    Non-quantised tensors keep the tiny's float32."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = native_tiny_config()
-    tensors = tiny_native_tensors(config, scale_format)
-    shards, current, size = [], {}, 0
-    for name, tensor in tensors.items():  # sorted by name; deterministic
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    shards.append(current)
-    for stale in folder.glob("model*.safetensors"):
-        stale.unlink()
-    weight_map = {}
-    for number, shard in enumerate(shards):
-        file = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2, sort_keys=True) + "\n")
-    (folder / "config.json").write_text(json.dumps(export_config(config, "fp8", "mxfp4", scale_format),
-                                                   indent=2, sort_keys=True) + "\n")

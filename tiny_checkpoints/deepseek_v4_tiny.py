@@ -1,6 +1,7 @@
 """The tiny random DeepSeek-V4 checkpoint, byte for byte reproducible.
 
-    write_deepseek_v4_tiny(folder)      # config.json + model.safetensors
+    write_deepseek_v4_tiny(folder)          # config.json + model.safetensors
+    write_deepseek_v4_tiny_native(folder)   # the release layout: native names, FP8 / MXFP4, sharded
 
 The config is written by hand and covers every code path at a test-sized scale: all three
 attention types (sliding, CSA with the indexer, HCA), hash-routed and learned-routed MoE layers,
@@ -20,6 +21,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from modelzoo.conversion.safetensors_io import INDEX_FILE
+from modelzoo.deepseek_v4.release import quantization as q
+from modelzoo.deepseek_v4.release.checkpoint import SCALE_FORMATS, export_config, hf_to_native, release_format
 
 DEEPSEEK_V4_TINY = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -155,3 +160,57 @@ def write_deepseek_v4_tiny(folder: str | Path, config: dict | None = None) -> No
     tensors = {name: deepseek_v4_tensor(name, shape, config) for name, shape in sorted(deepseek_v4_shapes(config).items())}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# --- the release layout (tiny_checkpoints/deepseek-v4-tiny-native) ---------------------------------------
+def native_tiny_config() -> dict:
+    """The tiny config with dims that are not multiples of the block sizes: q_lora_rank 144 = 128 + 16
+    (wq_a has a partial second row block, wq_b and indexer.wq_b a partial second column block) and
+    moe_intermediate_size 48 = 32 + 16 (expert w2 rows end in a partial MXFP4 block); every other FP8
+    matrix is one partial 128x128 block."""
+    return {**DEEPSEEK_V4_TINY, "q_lora_rank": 144, "moe_intermediate_size": 48}
+
+
+def tiny_native_tensors(config: dict, scale_format: str = "e8m0") -> dict[str, torch.Tensor]:
+    out = {}
+    for hf_name, shape in sorted(deepseek_v4_shapes(config).items()):
+        name = hf_to_native(hf_name)
+        tensor = deepseek_v4_tensor(hf_name, shape, config)
+        fmt = release_format(name)
+        if fmt is None:
+            out[name] = tensor
+        else:
+            out[name], out[name[: -len(".weight")] + ".scale"] = q.quantize(tensor, fmt, SCALE_FORMATS[scale_format], name)
+    return out
+
+
+def write_deepseek_v4_tiny_native(folder, scale_format: str = "e8m0", shard_bytes: int = 256 * 1024) -> None:
+    """Write tiny_checkpoints/deepseek-v4-tiny-native: the tiny model (native_tiny_config) drawn by
+    write_deepseek_v4_tiny's generator, quantised into the release layout by modelzoo/deepseek_v4/release/quantization.py, in native names, sharded
+    into several files (model-0000k-of-0000n.safetensors + index) so that imports read across shards.
+    Non-quantised tensors keep the tiny's float32."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = native_tiny_config()
+    tensors = tiny_native_tensors(config, scale_format)
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():  # sorted by name; deterministic
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    shards.append(current)
+    for stale in folder.glob("model*.safetensors"):
+        stale.unlink()
+    weight_map = {}
+    for number, shard in enumerate(shards):
+        file = f"model-{number + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2, sort_keys=True) + "\n")
+    (folder / "config.json").write_text(json.dumps(export_config(config, "fp8", "mxfp4", scale_format),
+                                                   indent=2, sort_keys=True) + "\n")

@@ -2,7 +2,7 @@
 
 `CheckpointView` wraps a `CheckpointReader` and shows the tensors under the names a bridge's mapping
 table uses (a `rename` function), dequantising FP8-block and MXFP4 weights on `get`, one tensor at a
-time (conversion/quantization.py). Scale tensors (`<x>.scale` or `<x>.weight_scale_inv` beside
+time (modelzoo/deepseek_v4/release/quantization.py). Scale tensors (`<x>.scale` or `<x>.weight_scale_inv` beside
 `<x>.weight`) are consumed, not shown. Headers are validated when the view is built, before a byte of
 data is read: a quantised weight without its scale, a scale without its weight, a scale of the wrong
 block geometry or an unknown dtype is one error naming the tensor and its file.
@@ -14,7 +14,7 @@ Kept scales make import -> export lossless for checkpoints quantised by rules ot
 keeps the source's scale tensors and formats beside the Megatron checkpoint (`KeptScales`, by the
 view's weight names); the export quantises the weights the source quantised, in its formats, each
 with its kept scale wherever that scale still encodes the weight's values exactly
-(conversion/quantization.py, "Kept scales").
+(modelzoo/deepseek_v4/release/quantization.py, "Kept scales").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from modelzoo.conversion import quantization as q
+from modelzoo.deepseek_v4.release import quantization as q
 from modelzoo.conversion.files import read_json
 from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
