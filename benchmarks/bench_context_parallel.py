@@ -54,7 +54,8 @@ def _synchronize() -> None:
 def _rank(rank: int, args: dict, folder: str | None, cp: int) -> dict:
     from megatron.core import parallel_state
 
-    from modelzoo import context_parallel, runtime
+    from modelzoo import runtime
+    from modelzoo.layers import context_parallel
 
     seq = cp * args["seq"]
     with runtime.parallel(cp=cp):

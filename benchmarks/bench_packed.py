@@ -72,7 +72,7 @@ def training_step(model, micro_batches):
 
 
 def packed_batches(samples):
-    from modelzoo.sequences import pack_sequences
+    from modelzoo.layers.sequences import pack_sequences
 
     batch = pack_sequences(samples, divisor=128, device="cuda")
     labels, loss_mask = batch.labels()

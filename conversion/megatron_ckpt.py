@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from modelzoo.conversion import safe_pickle
+from modelzoo.conversion.engine import checkpoint_name_of, rank, state_dict_tensors, with_layout_of
 from modelzoo.conversion.errors import CheckpointError
 from modelzoo.conversion.files import confined, read_bytes, read_json
 from modelzoo.conversion.safetensors_io import is_int
@@ -46,10 +47,6 @@ HF_SUBDIR = "hf"
 METADATA_FILE = "modelzoo.json"
 # an iteration number or "release", and a newline: a longer tracker is not Megatron-LM's
 MAX_TRACKER_BYTES = 64
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _broadcast(value):
@@ -241,8 +238,6 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     The checkpoint is checked when this is called, before the first tensor is asked for (`stored`: what
     `checked_state` returned for it, when the caller has checked it already).
     """
-    from modelzoo.conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
-
     metadata = read_metadata(folder)
     state = state_folder(folder)
     stored = stored if stored is not None else safe_pickle.check_folder(state)

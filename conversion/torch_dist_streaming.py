@@ -17,7 +17,7 @@ a reader that copies each tensor once, from a memory map of the file, where torc
 times, and no factory merge of pieces handed over unread (`merged_unless_deferred`).
 
 This is the one place where `conversion` relies on private behaviour of Megatron-Core 0.19 and torch
-(tests: tests/test_streaming_checkpoint.py):
+(tests: tests/conversion/test_streaming_checkpoint.py):
 
 | what                                                        | why                                            |
 |-------------------------------------------------------------|------------------------------------------------|

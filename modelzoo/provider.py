@@ -8,7 +8,7 @@
         for name, tensor in provider.export_hf_weights(model): ...
 
 An architecture subclasses it and fills in three things: the TransformerConfig fields, the module and the
-mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). Everything else
+mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.layers.gpt_call`). Everything else
 (parallel sizes, vocabulary padding, weight movement, log-probabilities) is generic and lives here.
 """
 
@@ -25,12 +25,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
-from modelzoo.conversion import engine, megatron_ckpt
+from modelzoo.conversion import engine
 from modelzoo.conversion.mapping import MappingTable
 from modelzoo.conversion.safetensors_io import CheckpointReader, ShardedWriter
 from modelzoo.conversion.validation import Bounds
-from modelzoo import context_parallel, runtime
-from modelzoo.attention import IMPLEMENTATIONS
+from modelzoo import runtime
+from modelzoo.layers import context_parallel
+from modelzoo.layers.attention import IMPLEMENTATIONS
 from modelzoo.logprobs import next_token_logprobs, vocab_parallel_logprobs
 
 if TYPE_CHECKING:
@@ -83,10 +84,10 @@ class ModelProvider:
     hf_model_types: ClassVar[tuple[str, ...]]
     hf_architectures: ClassVar[tuple[str, ...]]
     has_experts: ClassVar[bool] = False     # whether expert parallelism means anything for it
-    # whether its attention can hold copies of a KV head on several TP ranks (modelzoo/replicated_kv.py), so that
+    # whether its attention can hold copies of a KV head on several TP ranks (modelzoo/layers/replicated_kv.py), so that
     # TP may be a multiple of the KV heads (num_query_groups) instead of a divisor
     copies_kv_heads: ClassVar[bool] = False
-    # whether its attention runs context-parallel (queries of this rank over every rank's keys: modelzoo.attention)
+    # whether its attention runs context-parallel (queries of this rank over every rank's keys: modelzoo.layers.attention)
     supports_context_parallel: ClassVar[bool] = False
     # the weight names inference engines load (vLLM, SGLang): `modelzoo.sync.WeightSync`'s default naming
     engine_naming: ClassVar[str] = "hf"
@@ -305,7 +306,7 @@ class ModelProvider:
         """Stream `(hf_name, full tensor)`; every TP rank must iterate (gathers are collective).
 
         `model` (here and in `save_hf`, `save_checkpoint`): the Megatron model, or its tensors streamed
-        from a Megatron checkpoint (`megatron_ckpt.stream_weights`)."""
+        from a Megatron checkpoint (`modelzoo.conversion.megatron_ckpt.stream_weights`)."""
         return engine.export_hf_weights(model, self.mapping())
 
     def save_hf(self, model: torch.nn.Module, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
@@ -318,7 +319,7 @@ class ModelProvider:
         source = Path(source_dir) if source_dir is not None else self.hf_dir
         # a fused tensor's HF tensors as runs of its rows: the writer copies each from the checkpoint's file
         tensors = engine.export_hf_weights(model, self.mapping(), row_blocks=True)
-        if megatron_ckpt.rank() != 0:
+        if engine.rank() != 0:
             for _ in tensors:  # take part in the gathers
                 pass
             return 0
@@ -349,10 +350,10 @@ class ModelProvider:
           equal to running that sequence alone;
         - with `loss_mask` (same shape as input_ids, nonzero on the tokens to score, e.g. the response tokens):
           a list, per row or per packed sequence, of the scored tokens' log-probabilities, in order.
-        Under context parallelism every rank passes the whole batch: each runs its share (`modelzoo.context_parallel`)
+        Under context parallelism every rank passes the whole batch: each runs its share (`modelzoo.layers.context_parallel`)
         and the log-probabilities are gathered back.
         """
-        from modelzoo.sequences import BatchLayoutError, packed_spans
+        from modelzoo.layers.sequences import BatchLayoutError, packed_spans
 
         if context_parallel.current() is None:
             logits = self.forward(model, input_ids, position_ids=position_ids, attention_mask=attention_mask,

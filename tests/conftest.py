@@ -15,6 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tiny_checkpoints"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a CUDA device: skipped without one (the marker alone selects them, `-m gpu`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def make_tiny():
     return make_tiny_module

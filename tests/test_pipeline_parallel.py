@@ -20,12 +20,12 @@ the mixes). Under context parallelism each rank's forward step takes its share o
 - Every rank's export at PP 2 yields every tensor of the checkpoint once (each stage's under its global layer
   number), and `provider.token_logprobs` (the forward-only schedule inside) gives the same log-probs on every rank.
 - Llama with `tie_word_embeddings` at PP 2: the last stage's head is a copy of the first stage's embedding (built on
-  the CPU through modelzoo.cpu_compat, on the meta device without the all-reduce that starts the copies equal); the
+  the CPU through modelzoo.compat, on the meta device without the all-reduce that starts the copies equal); the
   log-probs and gradients equal transformers' (the embedding's gradient is the sum of both stages' uses).
 - `provider.token_logprobs` (the forward-only schedule inside) at PP 2 x TP 2 + SP and PP 2 x CP 2 equals the HF
   log-probs on every rank; the CLI's `parity` passes at `--pp 2 --cp 2` and `--pp 2 --tp 2 --sp`.
 - LoopCoder refuses PP > 1 in one sentence (the provider and the CLI, exit 2); P2P over gloo works once
-  modelzoo.cpu_compat gives p2p_communication CPU receive buffers (tests/test_cpu_compat.py).
+  modelzoo.compat gives p2p_communication CPU receive buffers (tests/test_compat.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from conftest import TINY, write_llama_variant
 from safetensors.torch import load_file
 
 from modelzoo.conversion import megatron_ckpt
-from modelzoo import build_provider, context_parallel, runtime
+from modelzoo import build_provider, runtime
+from modelzoo.layers import context_parallel
 from modelzoo.parity import load_hf_model, logprobs_from_logits
 
 LOGPROB_TOLERANCE = 1e-5

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV4Config
 
-from modelzoo.conversion import megatron_ckpt
+from modelzoo.conversion import engine
 from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from modelzoo.deepseek_v4 import config as v4_config
 from modelzoo.deepseek_v4.mapping import deepseek_v4_mapping
@@ -131,7 +131,7 @@ class DeepseekV4Provider(ModelProvider):
         from modelzoo.deepseek_v4.release.checkpoint import checkpoint_view
 
         view = checkpoint_view(folder, self.params_dtype, naming)
-        if self.mtp_not_in_checkpoint and not self._mtp_warning_given and megatron_ckpt.rank() == 0:
+        if self.mtp_not_in_checkpoint and not self._mtp_warning_given and engine.rank() == 0:
             self._mtp_warning_given = True  # once per provider: a checked load opens the checkpoint twice
             logger.warning(f"deepseek_v4: {self.hf_dir} has no mtp.* tensors although its config.json sets "
                            f"num_nextn_predict_layers={self.hf_config.num_nextn_predict_layers} (as transformers' "

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
-from modelzoo.conversion import engine, megatron_ckpt, validation
+from modelzoo.conversion import engine, validation
 from modelzoo.conversion.mapping import compile_pattern, fill_pattern
 from modelzoo.conversion.staging import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
@@ -179,7 +179,7 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: 
 
     out_dir = Path(out_dir)
     tensors = adapter_hf_weights(model, provider, naming)
-    if megatron_ckpt.rank() != 0:
+    if engine.rank() != 0:
         for _ in tensors:  # take part in the gathers
             pass
         return out_dir

@@ -32,7 +32,7 @@ V4_ENGINE_FUSIONS = {  # the same leaves under the exported and the release name
     ".compressor.wgate.weight": ".compressor.wkv_gate.weight",
 }
 NAMING_IDS = ("hf", "native")
-# the tiny MTP block is a sliding layer (DeepseekV4Args.mtp_layer_type): its compressor pairs cannot occur
+# the tiny MTP block is a sliding layer (deepseek_v4/config.py: MTP_LAYER_TYPE): its compressor pairs cannot occur
 INACTIVE_IN_TINY = {"mtp.wkv_gate", "mtp.indexer.wkv_gate"}
 RANDOM_SIZES = 3
 

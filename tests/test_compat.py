@@ -1,9 +1,9 @@
-"""Each CPU patch of Megatron-Core (modelzoo/cpu_compat.py) does its job, and only without CUDA."""
+"""Each CPU patch of Megatron-Core (modelzoo/compat.py) does its job, and only without CUDA."""
 
 import pytest
 import torch
 
-from modelzoo import cpu_compat, runtime
+from modelzoo import compat, runtime
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
 
@@ -182,9 +182,9 @@ def test_ddp_and_megatron_optimizers_step_on_cpu_parameters(dtype, distributed):
 
 
 def test_apply_is_a_no_op_with_cuda(monkeypatch):
-    monkeypatch.setattr(cpu_compat, "_applied", False)
+    monkeypatch.setattr(compat, "_applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     called = []
-    monkeypatch.setattr(cpu_compat, "_patch_rng", lambda: called.append("rng"))
-    cpu_compat.apply()
-    assert called == [] and cpu_compat._applied is False
+    monkeypatch.setattr(compat, "_patch_rng", lambda: called.append("rng"))
+    compat.apply()
+    assert called == [] and compat._applied is False

@@ -25,7 +25,7 @@ from conftest import TINY
 
 from modelzoo import build_provider, runtime
 from modelzoo.parity import load_hf_model, logprobs_from_logits
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 
 LOGPROB_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4

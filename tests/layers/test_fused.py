@@ -1,9 +1,9 @@
-"""`modelzoo.fused.fused`: which torch.compile call it makes (the compiled kernels are tested on a GPU in
+"""`modelzoo.layers.fused.fused`: which torch.compile call it makes (the compiled kernels are tested on a GPU in
 tests/deepseek_v4/test_fused_gpu.py and the DeepSeek-V4 GPU tests)."""
 
 import torch
 
-from modelzoo.fused import fused
+from modelzoo.layers.fused import fused
 
 
 class _OnGpu:
@@ -24,7 +24,7 @@ def _compile_calls(monkeypatch, decorate):
 
 
 def test_fused_compiles_once_for_static_shapes(monkeypatch):
-    """dynamic=False: torch's automatic dynamic shapes gave wrong gradients on a GPU (modelzoo/fused.py)."""
+    """dynamic=False: torch's automatic dynamic shapes gave wrong gradients on a GPU (modelzoo/layers/fused.py)."""
     assert _compile_calls(monkeypatch, fused) == [{"dynamic": False}]
 
 

@@ -8,12 +8,12 @@
   GPU) for causal attention, and `flex_attention` with a sliding-window block mask on GPU.
 
 Tensors are [batch, heads, seq, head_dim]; keys and values may have fewer heads (GQA). Queries
-and keys share positions (self-attention over the same tokens). A `TokenLayout` (modelzoo/sequences.py)
+and keys share positions (self-attention over the same tokens). A `TokenLayout` (modelzoo/layers/sequences.py)
 says which tokens belong together in packed and padded batches: attention stays within a sequence. The fast
 path then runs flex_attention with a block mask made from the sequence ids on a GPU (no [seq, seq] mask), and
 SDPA with the layout's boolean mask on the CPU. Under context parallelism the layout holds this rank's share of
 the rows: its queries attend over the keys and values of every rank of the group, gathered here
-(modelzoo/context_parallel.py), so every model with this attention runs context-parallel.
+(modelzoo/layers/context_parallel.py), so every model with this attention runs context-parallel.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modelzoo.context_parallel import gather_keys_values
-from modelzoo.sequences import TokenLayout
+from modelzoo.layers.context_parallel import gather_keys_values
+from modelzoo.layers.sequences import TokenLayout
 
 AttentionImpl = Literal["exact", "fast"]
 IMPLEMENTATIONS = ("exact", "fast")
@@ -168,7 +168,7 @@ class CoreAttention(torch.nn.Module):
     Drop-in for the local spec's DotProductAttention: takes [seq, batch, heads, head_dim] query, key
     and value for this rank's heads and returns [seq, batch, heads * head_dim]. Always causal;
     `window` makes it sliding-window, `impl` picks the exact or the fast kernel. The batch's `TokenLayout`
-    arrives as Megatron's `packed_seq_params` (see `modelzoo.sequences.TokenLayout.qkv_format`).
+    arrives as Megatron's `packed_seq_params` (see `modelzoo.layers.sequences.TokenLayout.qkv_format`).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,
@@ -185,7 +185,7 @@ class CoreAttention(torch.nn.Module):
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
         if attention_mask is not None or attention_bias is not None or not (
                 packed_seq_params is None or isinstance(packed_seq_params, TokenLayout)):
-            raise ValueError("CoreAttention reads the batch's TokenLayout (modelzoo.sequences), which modelzoo's "
+            raise ValueError("CoreAttention reads the batch's TokenLayout (modelzoo.layers.sequences), which modelzoo's "
                              "models build from attention_mask / packed_seq_params: call the model, not its decoder")
         layout = packed_seq_params
         dropout = self.config.attention_dropout if self.training else 0.0

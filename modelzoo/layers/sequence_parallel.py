@@ -74,15 +74,3 @@ def split_sequence(x: Tensor, dim: int) -> Tensor:
     from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
     return scatter_to_sequence_parallel_region(x.transpose(0, dim)).transpose(0, dim).contiguous()
-
-
-def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """Sum the `.grad` of the parameters marked `sequence_parallel` over the TP group: what Megatron's
-    `finalize_model_grads` does to `main_grad` under DDP, for a model trained without Megatron's DDP."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    for param in model.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            dist.all_reduce(param.grad, group=group)

@@ -3,7 +3,7 @@
 Megatron-Core 0.19 assumes a GPU in a handful of places. None of them matter for the math, so on a
 machine without CUDA (CI, laptops, the parity tests) we replace exactly those places. Every patch is
 applied by `apply()`, only when `torch.cuda.is_available()` is False, and each has a test in
-`tests/test_cpu_compat.py`. On a GPU machine `apply()` does nothing.
+`tests/test_compat.py`. On a GPU machine `apply()` does nothing.
 
 | upstream                                                        | why it fails without CUDA                     |
 |-----------------------------------------------------------------|-----------------------------------------------|

@@ -21,7 +21,7 @@ read by no real token. Models read the layout instead of the raw arguments, so p
 batches run the same code.
 
 Under context parallelism (CP) each rank of the CP group is handed its share of every row, in Megatron's
-load-balanced layout (`context_parallel_indices`; `modelzoo.context_parallel` splits and gathers batches): the
+load-balanced layout (`context_parallel_indices`; `modelzoo.layers.context_parallel` splits and gathers batches): the
 layout then describes this rank's tokens as queries, and in `keys` the tokens of every rank, which attention
 reads after gathering their keys and values over the group.
 """
@@ -189,7 +189,7 @@ def token_layout(input_ids: Tensor, position_ids: Tensor | None = None, attentio
             if context_parallel is None:
                 raise
             raise BatchLayoutError(f"{error} (this rank's {seq} tokens x context parallel size {context_parallel.size}:"
-                                   f" input_ids must be this rank's share, modelzoo.context_parallel.split_for_rank)"
+                                   f" input_ids must be this rank's share, modelzoo.layers.context_parallel.split_for_rank)"
                                    ) from None
         last_packed = int(layout.segment_ids.max())
     elif attention_mask is not None:

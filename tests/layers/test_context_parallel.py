@@ -34,10 +34,11 @@ import torch.distributed as dist
 from conftest import TINY
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from modelzoo import build_provider, context_parallel, runtime
+from modelzoo import build_provider, runtime
+from modelzoo.layers import context_parallel
 from modelzoo.parity import load_hf_model, logprobs_from_logits
 from modelzoo.runtime import ParallelLayout
-from modelzoo.sequences import (BatchLayoutError, ContextParallel, context_parallel_indices, pack_sequences,
+from modelzoo.layers.sequences import (BatchLayoutError, ContextParallel, context_parallel_indices, pack_sequences,
                                 token_layout)
 
 LOGPROB_TOLERANCE = 1e-5

@@ -13,9 +13,9 @@ import torch
 from conftest import TINY
 
 from modelzoo import build_provider, runtime
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 FAST_TOLERANCE = 1e-4
 

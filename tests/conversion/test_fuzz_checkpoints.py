@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from modelzoo.conversion import engine, megatron_ckpt
 from modelzoo.conversion.cli import main
 
-TINY = Path(__file__).resolve().parents[1] / "tiny_checkpoints"
+TINY = Path(__file__).resolve().parents[2] / "tiny_checkpoints"
 SEED = 20261205
 CASES = {"llama-tiny": 240, "loopcoder-tiny": 40, "deepseek-v4-tiny": 60}
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from modelzoo.sequences import ContextParallel, KeyTokens, context_parallel_indices, pack_sequences, row_slots
+from modelzoo.layers.sequences import ContextParallel, KeyTokens, context_parallel_indices, pack_sequences, row_slots
 
 
 def current() -> ContextParallel | None:

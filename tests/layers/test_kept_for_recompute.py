@@ -1,4 +1,4 @@
-"""modelzoo.recompute.kept_for_recompute: a region's recompute gets back what its first run kept.
+"""modelzoo.layers.recompute.kept_for_recompute: a region's recompute gets back what its first run kept.
 
 The oracle is the same function run without a checkpoint: gradients must be equal bit for bit, while the kept
 computation runs once per forward (not again in the backward) and nothing is kept outside a region.
@@ -7,7 +7,7 @@ computation runs once per forward (not again in the backward) and nothing is kep
 import pytest
 import torch
 
-from modelzoo.recompute import kept_for_recompute, recomputed
+from modelzoo.layers.recompute import kept_for_recompute, recomputed
 
 
 def _region(calls: list):

@@ -1,4 +1,4 @@
-"""`modelzoo.sequences`: the batch forms of the trainer's call, read as one TokenLayout, and every bad one refused.
+"""`modelzoo.layers.sequences`: the batch forms of the trainer's call, read as one TokenLayout, and every bad one refused.
 
 The layouts are checked against what they must mean, written out by hand; the models' parity on packed
 and padded batches is in test_packed_sequences.py.
@@ -12,7 +12,7 @@ from conftest import TINY
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from modelzoo import build_provider, runtime
-from modelzoo.sequences import BatchLayoutError, pack_sequences, token_layout
+from modelzoo.layers.sequences import BatchLayoutError, pack_sequences, token_layout
 
 
 def thd(cu_seqlens, cu_padded=None, qkv_format="thd") -> PackedSeqParams:

@@ -30,7 +30,7 @@ from modelzoo.conversion import megatron_ckpt, safe_pickle
 from modelzoo.conversion.cli import main
 from modelzoo.conversion.safetensors_io import CheckpointReader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tiny_checkpoints"
 LLAMA = TINY / "llama-tiny"
 

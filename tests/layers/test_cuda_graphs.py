@@ -1,4 +1,4 @@
-"""modelzoo.cuda_graphs on CPU: what it refuses, and its gradient hand-over against a stand-in for the graphs.
+"""modelzoo.layers.cuda_graphs on CPU: what it refuses, and its gradient hand-over against a stand-in for the graphs.
 
 The replay itself is tested on the GPU (tests/deepseek_v4/test_cuda_graphs_gpu.py). Here
 `torch.cuda.make_graphed_callables` is replaced by `_graphed_on_cpu`, which keeps what LayerGraphs relies
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from modelzoo.cuda_graphs import LayerGraphs
+from modelzoo.layers.cuda_graphs import LayerGraphs
 
 
 def test_capture_of_cpu_tensors_is_refused_with_the_device_named():

@@ -9,8 +9,8 @@ output from this rank's vocabulary shard of the logits [b, s, V / tp] into the p
 (-log p(labels[t] | tokens up to t)); `runtime_gather_output=True` gathers the logits over the vocabulary;
 `decoder_input` [s, b, hidden] replaces the embedding; `loss_mask` weighs the MTP loss (the main loss is
 returned per token, unweighted, as GPTModel returns it). `attention_mask`, `position_ids` and
-`packed_seq_params` describe the batch (`modelzoo.sequences`); under context parallelism `input_ids`,
-`position_ids` and `labels` are this rank's share of the rows (`modelzoo.context_parallel`). What a model cannot honour (a KV-cache
+`packed_seq_params` describe the batch (`modelzoo.layers.sequences`); under context parallelism `input_ids`,
+`position_ids` and `labels` are this rank's share of the rows (`modelzoo.layers.context_parallel`). What a model cannot honour (a KV-cache
 inference context, extra kwargs for Megatron's own blocks) is refused by name with the reason.
 
 Megatron pads the vocabulary to a multiple of lcm(128, tp) (`VOCAB_PADDING_MULTIPLE`). Trainers take their
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from modelzoo.logprobs import vocab_parallel_logprobs
-from modelzoo.sequences import TokenLayout
+from modelzoo.layers.sequences import TokenLayout
 
 # Megatron's value for a masked attention score: exp(-1e4 - m) is exactly 0 in fp32 (and bf16, fp16) for any
 # real logit m above -9900, so a softmax over the padded columns equals one over the real vocabulary
@@ -113,8 +113,8 @@ def input_layout(model_name: str, input_ids: Tensor | None, decoder_input: Tenso
     """The batch's layout, from `input_ids` or, when the embedding is skipped, `decoder_input`'s [s, b] shape (under
     sequence parallelism this rank's s / tp tokens, as Megatron hands them between stages); under context
     parallelism, this rank's share of it."""
-    from modelzoo import context_parallel, sequence_parallel
-    from modelzoo.sequences import token_layout
+    from modelzoo.layers import context_parallel, sequence_parallel
+    from modelzoo.layers.sequences import token_layout
 
     if input_ids is None:
         if decoder_input is None:
