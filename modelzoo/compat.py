@@ -1,6 +1,15 @@
-"""The one place where modelzoo touches Megatron-Core private behaviour, so that it runs without CUDA.
+"""The one place where modelzoo touches private behaviour of Megatron-Core, torch and transformers.
 
-Megatron-Core 0.19 assumes a GPU in a handful of places. None of them matter for the math, so on a
+Each entry names what it relies on and the version it was written against and tested with (Megatron-Core 0.19.2,
+torch 2.14.1 on the CPU and 2.11 on the GPU machines, transformers 5.24, megatron-bridge 0.6.2): a new version of
+one of them is checked here first. Everything else in modelzoo uses their public API.
+
+Used on every machine: `row_parallel_local_output`, `adapt_in_place` (LoRA), `PassedAsPackedSeqParams`
+(the batch layout handed through Megatron's TransformerBlock), `share_embedding_across_stages` (DeepSeek-V4's
+pipeline stages), `TORCH_DCP_PICKLED_GLOBALS` and `storage_info_class` (reading torch_dist metadata without
+unpickling arbitrary globals), `stand_in_module` (an import a library makes of a module that no longer exists).
+
+CPU patches. Megatron-Core 0.19 assumes a GPU in a handful of places. None of them matter for the math, so on a
 machine without CUDA (CI, laptops, the parity tests) we replace exactly those places. Every patch is
 applied by `apply()`, only when `torch.cuda.is_available()` is False, and each has a test in
 `tests/test_compat.py`. On a GPU machine `apply()` does nothing.
@@ -29,12 +38,107 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
 
 import torch
 
 _applied = False
 
 
+# --- used on every machine -----------------------------------------------------------------------------------
+def row_parallel_local_output(layer, input_: torch.Tensor) -> torch.Tensor:
+    """A RowParallelLinear's output on this rank before its all-reduce (input_is_parallel, no sequence parallelism,
+    no expert communication, no bias): the first step of RowParallelLinear.forward, through its private
+    `_forward_impl` and attributes. Megatron-Core 0.19.2."""
+    return layer._forward_impl(
+        input=input_, weight=layer.weight, bias=None, gradient_accumulation_fusion=layer.gradient_accumulation_fusion,
+        allreduce_dgrad=False, sequence_parallel=False, tp_group=None, grad_output_buffer=None,
+        gtp_remat_size=layer.gtp_remat_size)
+
+
+def adapt_in_place(module: torch.nn.Module, subclass: type) -> None:
+    """Make `module` an instance of `subclass` (a subclass of its class adding a forward) without rebuilding it:
+    assigning `__class__` keeps its parameters, buffers, hooks and every attribute Megatron's __init__ set, which
+    a rebuilt module would have to copy one by one. Relies on the class having no __slots__ and on torch's
+    nn.Module keeping its state in the instance dict. torch 2.11 / 2.14.1, Megatron-Core 0.19.2 linears."""
+    module.__class__ = subclass
+
+
+class PassedAsPackedSeqParams:
+    """Base of an object a model hands through Megatron's TransformerBlock as its `packed_seq_params`: Megatron-Core
+    0.19.2 passes that argument to the core attention untouched (also through activation recompute) and looks only
+    for `qkv_format == "thd"` on its way; "sbhd" asks for no THD handling (the tokens stay [s, b])."""
+
+    qkv_format = "sbhd"
+
+
+def share_embedding_across_stages(weight: torch.Tensor | None, first_stage: bool, meta_device: bool) -> None:
+    """What Megatron-Core 0.19.2's LanguageModule.setup_embeddings_and_output_layer does to a word embedding that
+    the first and last pipeline stages both hold, for a model that is not a LanguageModule: mark it
+    `shared_embedding` (finalize_model_grads all-reduces its gradient over the embedding group; Megatron's
+    checkpoints name a later stage's copy as the embedding) and, on a later stage, `shared` with zeros, then
+    all-reduce it over the embedding group so that every copy starts from the first stage's values."""
+    from megatron.core import parallel_state
+
+    if weight is None:
+        return
+    weight.shared_embedding = True
+    if not first_stage:
+        weight.shared = True
+        with torch.no_grad():
+            weight.zero_()
+    if not meta_device and parallel_state.is_rank_in_embedding_group():
+        torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+
+# the globals torch's distributed checkpoint (torch_dist) pickles into its `.metadata`, private ones included:
+# torch 2.11 / 2.14.1. A torch that pickles others has its checkpoints refused, naming the global, until it is added
+_DCP = "torch.distributed.checkpoint"
+TORCH_DCP_PICKLED_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    # the save plans Megatron's planner records in the metadata (`all_local_plans`)
+    (f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                           "BytesIOWriteData")
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch's pickle of a layout: a lookup among torch's layouts by name
+} | {
+    ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+})
+
+
+def storage_info_class() -> type:
+    """The class of a torch_dist `.metadata`'s storage entries (where each item lies in which file): private in
+    torch 2.11 / 2.14.1 (`torch.distributed.checkpoint.filesystem._StorageInfo`)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def stand_in_module(name: str, symbols: tuple[str, ...], why: str) -> None:
+    """Where `name` cannot be imported, plant a module in sys.modules whose `symbols` raise `why` when called, so
+    that a library importing it at import time (megatron-bridge 0.6.2 imports transformers'
+    `modeling_attn_mask_utils`, which transformers removed after 5.12) loads; nothing may call them."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is not None:
+        return
+
+    def removed(*args, **kwargs):
+        raise NotImplementedError(why)
+
+    module = types.ModuleType(name)
+    for symbol in symbols:
+        setattr(module, symbol, removed)
+    sys.modules[name] = module
+
+
+# --- CPU patches -----------------------------------------------------------------------------------------------
 def needed() -> bool:
     return not torch.cuda.is_available()
 

@@ -20,7 +20,7 @@ from modelzoo.provider import ModelProvider
 
 PACKAGE = ROOT / "modelzoo"
 # modelzoo's subpackages that are not architectures; integrations bind named architectures to other libraries
-NOT_ARCHITECTURES = {"conversion", "layers", "lora", "integrations"}
+NOT_ARCHITECTURES = {"conversion", "layers", "lora", "provider", "integrations"}
 CONTRACT_FILES = ("__init__.py", "config.py", "provider.py", "mapping.py", "lora.py", "sync.py")
 
 

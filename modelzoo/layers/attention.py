@@ -168,7 +168,7 @@ class CoreAttention(torch.nn.Module):
     Drop-in for the local spec's DotProductAttention: takes [seq, batch, heads, head_dim] query, key
     and value for this rank's heads and returns [seq, batch, heads * head_dim]. Always causal;
     `window` makes it sliding-window, `impl` picks the exact or the fast kernel. The batch's `TokenLayout`
-    arrives as Megatron's `packed_seq_params` (see `modelzoo.layers.sequences.TokenLayout.qkv_format`).
+    arrives as Megatron's `packed_seq_params` (`modelzoo.compat.PassedAsPackedSeqParams`).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type=None,

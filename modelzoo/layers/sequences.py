@@ -34,6 +34,8 @@ import functools
 import torch
 from torch import Tensor
 
+from modelzoo.compat import PassedAsPackedSeqParams
+
 
 class BatchLayoutError(ValueError):
     """An input that does not describe a batch this model can run (one sentence naming it)."""
@@ -65,7 +67,7 @@ class KeyTokens:
 
 
 @dataclasses.dataclass(eq=False)
-class TokenLayout:
+class TokenLayout(PassedAsPackedSeqParams):
     """Where each token of a [batch, seq] block belongs.
 
     segment_ids   [b, s] int64: the token's sequence within its row (0, 1, ...), -1 for padding
@@ -89,11 +91,6 @@ class TokenLayout:
     context_parallel_keys: KeyTokens | None = None
     # what kernels derive from the layout once per forward and reuse in every layer (flex_attention block masks)
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    # Travelling through Megatron's TransformerBlock as its `packed_seq_params` (the argument Megatron hands
-    # to core attention untouched, also through activation recompute), the layout asks for no THD handling:
-    # the tokens stay [s, b] and RoPE arrives per token.
-    qkv_format = "sbhd"
 
     @property
     def shape(self) -> torch.Size:

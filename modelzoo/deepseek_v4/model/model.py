@@ -31,6 +31,7 @@ from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
+from modelzoo.compat import share_embedding_across_stages
 from modelzoo.layers import gpt_call, sequence_parallel
 from modelzoo.layers.cuda_graphs import LayerGraphs
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
@@ -203,21 +204,9 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
         return self.embedding.word_embeddings.weight if hasattr(self, "embedding") else None
 
     def _share_embedding_across_stages(self) -> None:
-        """As LanguageModule.setup_embeddings_and_output_layer: the first and last stages' embeddings are one
-        weight, marked `shared_embedding`; the last stage's copy starts from the first stage's values (zeros
-        all-reduced over Megatron's embedding group)."""
-        from megatron.core import parallel_state
-
-        weight = self.shared_embedding_or_output_weight()
-        if weight is None:
-            return
-        weight.shared_embedding = True
-        if not self.pre_process:
-            weight.shared = True
-            with torch.no_grad():
-                weight.zero_()
-        if not self.config.init_model_with_meta_device and parallel_state.is_rank_in_embedding_group():
-            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+        """The first and last stages' embeddings are one weight, as in Megatron's LanguageModule."""
+        share_embedding_across_stages(self.shared_embedding_or_output_weight(), self.pre_process,
+                                      self.config.init_model_with_meta_device)
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Capture the decoder layers' forward and backward as two CUDA graphs for inputs of this shape.
