@@ -10,10 +10,10 @@
 (default large) with our fast path (`ours`) or transformers' eager model (`transformers`). Each probe is a fresh
 process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
 untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
-steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Writes
-benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json (recompute full_block<N> with
-`--recompute-layers N`) with every probe's figures, after each probe
-("complete": false until the search ends).
+steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Adds its run,
+with every probe's figures, to benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json (recompute
+full_block<N> with `--recompute-layers N`) after each probe ("complete": false until the search ends); the runs of
+other commands (probes at other lengths) stay in the file beside it.
 """
 
 from __future__ import annotations
