@@ -27,13 +27,14 @@ table; writes JSON, with the VM's free page reporting settings (`page_reporting`
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import run_record, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,9 +300,8 @@ def main() -> None:
             print(f"{row['step']:<20}{row['seconds']:>9.1f}{row['baseline_seconds']:>12.1f}"
                   f"{row['time_vs_baseline']:>12.2f}{row['cpu_seconds']:>7.1f}{row['baseline_cpu_seconds']:>10.1f}"
                   f"{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
-    Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
-                                          "page_reporting": page_reporting(),
-                                          "results": groups}, indent=2))
+    write_run(args.out, {**run_record("bench_conversion.py"), "checkpoint_gib": size / 2**30,
+                         "shard_bytes": args.shard_bytes, "page_reporting": page_reporting(), "results": groups})
 
 
 if __name__ == "__main__":
