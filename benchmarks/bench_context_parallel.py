@@ -19,15 +19,13 @@ efficiency (CP tokens/s per GPU over one GPU's) includes that. Peak memory is `m
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import LLAMA, LOOPCODER, RECOMPUTE, VOCAB, results_file, run_record, scratch_folder  # noqa: E402
+from bench_dense import LLAMA, LOOPCODER, RECOMPUTE, VOCAB
+from harness import results_file, run_record, scratch_folder, write_run
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -133,10 +131,9 @@ def main() -> None:
         print(f"{r['gpus']:>5}{r['seq']:>12}{r['ms_per_step']:>10.1f}{r['tokens_per_s_per_gpu']:>15.0f}{memory:>10}")
     print(f"CP {args.cp} weak-scaling efficiency: {efficiency:.1%} of one GPU's tokens/s per GPU")
     name = Path(args.model).name if folder and args.model != "deepseek_v4" else args.model
-    record = run_record("bench_context_parallel.py") if torch.cuda.is_available() else {}
-    out = Path(args.out or results_file(f"context_parallel_{name}_seq{args.seq}_cp{args.cp}"))
-    out.write_text(json.dumps({**record, **settings, "one_gpu": alone, "context_parallel": spread,
-                               "efficiency": efficiency}, indent=2))
+    write_run(args.out or results_file(f"context_parallel_{name}_seq{args.seq}_cp{args.cp}"),
+              {**run_record("bench_context_parallel.py"), **settings, "one_gpu": alone, "context_parallel": spread,
+               "efficiency": efficiency})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,10 +30,8 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import (  # noqa: E402
-    check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens, recompute_settings, results_file,
-    run_record, scratch_folder, time_steps)
+from harness import (check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens,
+                     recompute_settings, results_file, run_record, scratch_folder, time_steps, write_run)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -292,10 +289,9 @@ def run(args, folder: Path) -> None:
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
     suffix = "" if setting == "none" else f"_{setting}_recompute"
-    out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
-    out.write_text(json.dumps({**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config,
-                               "seq": args.seq, "recompute": setting, "config": config, "results": results},
-                              indent=2))
+    write_run(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"),
+              {**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+               "recompute": setting, "config": config, "results": results})
 
 
 if __name__ == "__main__":

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_deepseek_v4 import CONFIGS, RECOMPUTE, model_config, our_model  # noqa: E402
-from bench_dense import recompute_settings, scratch_folder  # noqa: E402
+from bench_deepseek_v4 import CONFIGS, RECOMPUTE, model_config, our_model
+from harness import recompute_settings, scratch_folder
 
 
 def saved_bytes_by_module(model: torch.nn.Module, forward) -> tuple[dict[str, int], object]:
