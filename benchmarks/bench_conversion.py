@@ -104,10 +104,14 @@ report(started)
 # The same steps as functions, run in process after a warm-up on the tiny checkpoint (see the docstring).
 STEPS = """
 from baseline import copy
-try:
+from pathlib import Path
+
+if "modelzoo.conversion" in Path("setup.py").read_text() if Path("setup.py").exists() else False:
     from modelzoo.conversion import cli
-except ModuleNotFoundError:  # an --against checkout from before conversion/ was installed as modelzoo.conversion
+else:  # an --against checkout from before conversion/ was installed as modelzoo.conversion
     from conversion import cli
+# the child runs in the checkout it measures: its code, not another one's an editable install points to
+assert Path(cli.__file__).resolve().is_relative_to(Path.cwd().resolve()), (cli.__file__, Path.cwd())
 
 OPTIONS = {"format": "hf", "quantize": None}
 
