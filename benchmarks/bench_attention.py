@@ -13,16 +13,12 @@ gradients are compared with the flash backend's (both bf16, so differences of a 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import results_file, run_record  # noqa: E402
+from harness import results_file, run_record, write_run
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 4, 128
 
@@ -102,9 +98,9 @@ def main() -> None:
               f"max |diff| / max |flash| (out, dq, dk, dv): {', '.join(f'{d:.1e}' for d in diffs)}")
         del tensors
         torch.cuda.empty_cache()
-    with open(args.out or results_file(f"attention_seq{seq}"), "w") as handle:
-        json.dump({**run_record("bench_attention.py"), "seq": seq, "heads": HEADS, "kv_heads": KV_HEADS,
-                   "head_dim": HEAD_DIM, "steps": args.steps, "results": results}, handle, indent=2)
+    write_run(args.out or results_file(f"attention_seq{seq}"),
+              {**run_record("bench_attention.py"), "seq": seq, "heads": HEADS, "kv_heads": KV_HEADS,
+               "head_dim": HEAD_DIM, "steps": args.steps, "results": results})
 
 
 if __name__ == "__main__":

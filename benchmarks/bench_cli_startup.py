@@ -7,14 +7,12 @@ slowest): `modelzoo --help`, `modelzoo list`, inputs the command refuses (a fold
 tensor-parallel size that does not split the model, which needs the model's config), `python -c "import
 modelzoo"`, and a whole conversion of the tiny Llama checkpoint (`modelzoo import`, into a new folder each
 run). One more run of each under `python -X importtime` records whether it imported torch, Megatron-Core and
-transformers' modeling code. Writes JSON with the date, machine, commit and each command.
+transformers' modeling code. Adds its run (`harness.run_record` and each command's figures) to the result file.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import shutil
@@ -24,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import run_record, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(sys.executable)
@@ -68,28 +68,13 @@ def imported(importtime_log: str) -> dict[str, bool]:
     return {key: module in names for key, module in HEAVY_MODULES.items()}
 
 
-def git_commit() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return commit + ("+uncommitted changes" if dirty else "")
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform(),
-            "load_average_1min_at_start": os.getloadavg()[0]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cli_startup.json")
     args = parser.parse_args()
-    report = {"benchmark": "cli_startup", "date": datetime.date.today().isoformat(), "commit": git_commit(),
-              "machine": machine(), "command": f"python benchmarks/bench_cli_startup.py --runs {args.runs}",
-              "runs": args.runs, "commands": {}}
+    report = {**run_record("bench_cli_startup.py"), "system": platform.platform(),
+              "load_average_1min_at_start": os.getloadavg()[0], "runs_per_command": args.runs, "commands": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for name, (argv, expected) in commands().items():
             seconds = [run_once(argv, expected, Path(scratch))[0] for _ in range(args.runs)]
@@ -99,8 +84,7 @@ def main() -> None:
                                         "min_s": round(min(seconds), 3), "max_s": round(max(seconds), 3),
                                         "imports": imported(log)}
             print(f"{name:<24} {statistics.median(seconds):6.2f} s   {shown}   imports {imported(log)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_run(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -19,15 +19,13 @@ efficiency (CP tokens/s per GPU over one GPU's) includes that. Peak memory is `m
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import LLAMA, LOOPCODER, RECOMPUTE, VOCAB, results_file, run_record, scratch_folder  # noqa: E402
+from bench_dense import LLAMA, LOOPCODER, RECOMPUTE, VOCAB
+from harness import results_file, run_record, scratch_folder, write_run
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -54,7 +52,8 @@ def _synchronize() -> None:
 def _rank(rank: int, args: dict, folder: str | None, cp: int) -> dict:
     from megatron.core import parallel_state
 
-    from modelzoo import context_parallel, runtime
+    from modelzoo import runtime
+    from modelzoo.layers import context_parallel
 
     seq = cp * args["seq"]
     with runtime.parallel(cp=cp):
@@ -116,7 +115,7 @@ def main() -> None:
         if args.model == "deepseek_v4":
             from bench_deepseek_v4 import model_config
 
-            from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+            from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
             write_deepseek_v4_tiny(scratch, model_config("large", args.cp * args.seq))
             folder = str(scratch)
@@ -132,10 +131,9 @@ def main() -> None:
         print(f"{r['gpus']:>5}{r['seq']:>12}{r['ms_per_step']:>10.1f}{r['tokens_per_s_per_gpu']:>15.0f}{memory:>10}")
     print(f"CP {args.cp} weak-scaling efficiency: {efficiency:.1%} of one GPU's tokens/s per GPU")
     name = Path(args.model).name if folder and args.model != "deepseek_v4" else args.model
-    record = run_record("bench_context_parallel.py") if torch.cuda.is_available() else {}
-    out = Path(args.out or results_file(f"context_parallel_{name}_seq{args.seq}_cp{args.cp}"))
-    out.write_text(json.dumps({**record, **settings, "one_gpu": alone, "context_parallel": spread,
-                               "efficiency": efficiency}, indent=2))
+    write_run(args.out or results_file(f"context_parallel_{name}_seq{args.seq}_cp{args.cp}"),
+              {**run_record("bench_context_parallel.py"), **settings, "one_gpu": alone, "context_parallel": spread,
+               "efficiency": efficiency})
 
 
 if __name__ == "__main__":

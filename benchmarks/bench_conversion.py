@@ -1,6 +1,6 @@
 """Checkpoint conversion on the CPU: `modelzoo import` + `modelzoo export` against a read-and-write baseline.
 
-    python benchmarks/bench_conversion.py [--workdir DIR] [--layers 16] [--rounds 3]
+    python benchmarks/bench_conversion.py [--workdir DIR] [--layers 16] [--rounds 3] [--against CHECKOUT]
 
 Makes a synthetic LoopCoder-shaped bf16 checkpoint (hidden 2048, 16 layers: ~2 GB) in several
 shards, then measures, each kind of step in its own process:
@@ -22,18 +22,23 @@ host reclaims cached pages at random), after `sync` (no dirty pages left by an e
 `malloc_trim`; peak RSS is the step's own peak (VmHWM reset) above the RSS at its start; CPU seconds
 are the process's user + system time over the step (medians, the step's and its baselines'). Prints a
 table; writes JSON, with the VM's free page reporting settings (`page_reporting`).
+
+`--against CHECKOUT` (another commit's tree, `git worktree add CHECKOUT COMMIT`): its in-process import and export
+run too, each in its own child right after ours on the same files, and `time_vs_against` is our ratio to the
+baseline over its ratio: a change's cost to a normal conversion, measured in one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import run_record, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +104,14 @@ report(started)
 # The same steps as functions, run in process after a warm-up on the tiny checkpoint (see the docstring).
 STEPS = """
 from baseline import copy
-from conversion import cli
+from pathlib import Path
+
+if "modelzoo.conversion" in Path("setup.py").read_text() if Path("setup.py").exists() else False:
+    from modelzoo.conversion import cli
+else:  # an --against checkout from before conversion/ was installed as modelzoo.conversion
+    from conversion import cli
+# the child runs in the checkout it measures: its code, not another one's an editable install points to
+assert Path(cli.__file__).resolve().is_relative_to(Path.cwd().resolve()), (cli.__file__, Path.cwd())
 
 OPTIONS = {"format": "hf", "quantize": None}
 
@@ -195,17 +207,17 @@ def page_reporting() -> dict[str, str] | None:
 
 
 def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
-    sys.path.insert(0, str(ROOT / "tiny_checkpoints"))
-    from make_tiny import write_sharded_loopcoder
+    sys.path.insert(0, str(ROOT))
+    from tiny_checkpoints.make_tiny import write_sharded_loopcoder
 
     total_bytes, _ = write_sharded_loopcoder(folder, {**CONFIG, "num_hidden_layers": layers}, shard_bytes)
     return total_bytes
 
 
-def measure(label: str, code: str) -> list[dict]:
+def measure(label: str, code: str, checkout: Path = ROOT) -> list[dict]:
     """Run `code` in a child; its MEASURED lines but the warm-up's, in order, as {step, seconds, CPU
     seconds, peak RSS above start}."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{label} failed:\n{done.stderr[-3000:]}")
     results = []
@@ -234,6 +246,11 @@ def summarise(pairs: list[tuple[dict, dict]]) -> dict:
             "peak_rss_above_start_gib": max(step["peak_rss_above_start_gib"] for step in steps)}
 
 
+def checkout_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default=None)
@@ -241,6 +258,9 @@ def main() -> None:
     parser.add_argument("--shard-bytes", type=int, default=512 * 2**20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "conversion_cpu.json"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a checkout of another commit (git worktree add DIR COMMIT): its in-process import and "
+                             "export are timed in this run, each right after ours")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-conversion-"))
     source = work / "hf"
@@ -249,32 +269,38 @@ def main() -> None:
     (work / "steps.py").write_text(STEPS)
     tiny = str(ROOT / "tiny_checkpoints" / "loopcoder-tiny")
 
-    def in_process(label: str, step: str, source_dir: Path, out_name: str, *remove: str) -> dict:
-        """`step` timed `--rounds` times, each right after the baseline, in one warmed-up child."""
+    def in_process(label: str, step: str, source_dir: Path, out_name: str, *remove: str, checkout: Path = ROOT) -> dict:
+        """`step` timed `--rounds` times, each right after the baseline, in one warmed-up child running the code of
+        `checkout` (the child's working directory comes first on its sys.path)."""
         warm = work / f"warm-{out_name}"
         shutil.rmtree(warm, ignore_errors=True)
         warm.mkdir()
         code = f"import sys; sys.path.insert(0, {str(work)!r})\n" + WARM_AND_MEASURE.format(
             warm=str(warm), tiny=tiny, step=step, rounds=args.rounds,
             args=(str(source), str(work / "copy"), str(source_dir), str(work / out_name), args.shard_bytes))
-        results = measure(label, code)
+        results = measure(label, code, checkout)
         for output in remove:  # outputs no later step reads (tmpfs holds them in memory)
             shutil.rmtree(work / output)
         return summarise(list(zip(results[0::2], results[1::2])))
 
     def cli(label: str, argv: list[str], inputs: Path) -> dict:
         return measure(label, MEASURE.format(argv=argv, inputs=str(inputs),
-                                             run='runpy.run_module("conversion.cli", run_name="__main__")'))[0]
+                                             run='runpy.run_module("modelzoo.conversion.cli", run_name="__main__")'))[0]
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
                                   inputs=str(source),
                                   run=f"runpy.run_path({str(work / 'baseline.py')!r}, run_name='__main__')")
 
-    groups = {"in process": [
-        in_process("modelzoo import", "import_", source, "megatron"),
-        in_process("modelzoo export", "export", work / "megatron", "exported", "exported"),
-        in_process("export from memory", "export_from_memory", work / "megatron", "exported", "megatron", "exported"),
-    ]}
+    groups = {"in process": [in_process("modelzoo import", "import_", source, "megatron")]}
+    if args.against:  # the same step of the other checkout right after ours, its import read by our export
+        groups["in process, --against"] = [in_process("modelzoo import", "import_", source, "megatron-against",
+                                                      "megatron-against", checkout=args.against)]
+    groups["in process"].append(in_process("modelzoo export", "export", work / "megatron", "exported", "exported"))
+    if args.against:
+        groups["in process, --against"].append(in_process("modelzoo export", "export", work / "megatron", "exported",
+                                                          "exported", checkout=args.against))
+    groups["in process"].append(in_process("export from memory", "export_from_memory", work / "megatron", "exported",
+                                           "megatron", "exported"))
     cli_pairs = {"modelzoo import": [], "modelzoo export": []}
     for _ in range(args.rounds):  # baseline, import, export, then again: each ratio is taken within its round
         baseline = measure("baseline read+write", baseline_cli)[0]
@@ -299,9 +325,17 @@ def main() -> None:
             print(f"{row['step']:<20}{row['seconds']:>9.1f}{row['baseline_seconds']:>12.1f}"
                   f"{row['time_vs_baseline']:>12.2f}{row['cpu_seconds']:>7.1f}{row['baseline_cpu_seconds']:>10.1f}"
                   f"{row['peak_rss_above_start_gib']:>14.2f}  {per_round}")
-    Path(args.out).write_text(json.dumps({"checkpoint_gib": size / 2**30, "shard_bytes": args.shard_bytes,
-                                          "page_reporting": page_reporting(),
-                                          "results": groups}, indent=2))
+    against = {}
+    if args.against:  # each step's ratio to its baseline over the other checkout's, both measured in this run
+        against = {"against": {"checkout": str(args.against), "commit": checkout_commit(args.against),
+                               "time_vs_against": {ours["step"]: ours["time_vs_baseline"] / theirs["time_vs_baseline"]
+                                                   for ours, theirs in zip(groups["in process"],
+                                                                           groups["in process, --against"])}}}
+        print(f"\nagainst {against['against']['commit']} (x baseline, ours over theirs): " + ", ".join(
+            f"{step} {ratio:.3f}" for step, ratio in against["against"]["time_vs_against"].items()))
+    write_run(args.out, {**run_record("bench_conversion.py"), "checkpoint_gib": size / 2**30,
+                         "shard_bytes": args.shard_bytes, "page_reporting": page_reporting(), "results": groups,
+                         **against})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,10 +30,8 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dense import (  # noqa: E402
-    check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens, recompute_settings, results_file,
-    run_record, scratch_folder, time_steps)
+from harness import (check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens,
+                     recompute_settings, results_file, run_record, scratch_folder, time_steps, write_run)
 
 BATCH = 1
 RELEASE_ATTENTION = dict(
@@ -62,7 +59,7 @@ CONFIGS = {
 def model_config(name: str, seq: int) -> dict:
     """`--config` `name` over the tiny checkpoint's fields, with positions for a row of `seq` tokens: the release
     attention's 65536, or `seq` where longer (the model refuses a row past its positions; RoPE costs the same)."""
-    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY
+    from tiny_checkpoints.deepseek_v4_tiny import DEEPSEEK_V4_TINY
 
     config = {**DEEPSEEK_V4_TINY, **CONFIGS[name]}
     return {**config, "max_position_embeddings": max(config["max_position_embeddings"], seq)}
@@ -231,7 +228,7 @@ def run(args, folder: Path) -> None:
     from transformers import DeepseekV4ForCausalLM
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     config = model_config(args.config, args.seq)
     write_deepseek_v4_tiny(folder, config)
@@ -292,10 +289,9 @@ def run(args, folder: Path) -> None:
         print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
               f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
     suffix = "" if setting == "none" else f"_{setting}_recompute"
-    out = Path(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"))
-    out.write_text(json.dumps({**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config,
-                               "seq": args.seq, "recompute": setting, "config": config, "results": results},
-                              indent=2))
+    write_run(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"),
+              {**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config, "seq": args.seq,
+               "recompute": setting, "config": config, "results": results})
 
 
 if __name__ == "__main__":

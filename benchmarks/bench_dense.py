@@ -21,19 +21,10 @@ ours alone). A model that runs out of GPU memory is recorded as such and the run
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import json
-import os
-import shlex
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
+from harness import (check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens,
+                     recompute_settings, results_file, run_record, time_steps, write_run)
 
 VOCAB = 32000
 LLAMA = {
@@ -50,88 +41,6 @@ RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
     "selective-mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def run_record(script: str) -> dict:
-    """Where a result came from: date (UTC), GPU, torch, the commit ($MODELZOO_COMMIT where set, for a copy of the tree
-    whose .git is not its own; else git's) and the command as typed (`--out` left out: it names where this machine
-    wrote it)."""
-    arguments, given = [], iter(sys.argv[1:])
-    for argument in given:
-        if argument == "--out":
-            next(given, None)  # and its value
-        elif not argument.startswith("--out="):
-            arguments.append(argument)
-    try:
-        commit = os.environ.get("MODELZOO_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
-            "command": shlex.join(["python3", f"benchmarks/{script}", *arguments])}
-
-
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM (`timeout`, a job scheduler) into SystemExit(143), so that `with` blocks and `finally` clauses
-    clean up on the way out."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-
-
-@contextlib.contextmanager
-def scratch_folder(name: str):
-    """A folder `name` in a temporary directory for the run's random checkpoint, removed when the block ends, also
-    when the run is stopped with SIGTERM: a large DeepSeek-V4 checkpoint left behind by every run fills a GPU
-    machine's disk."""
-    exit_on_sigterm()
-    with tempfile.TemporaryDirectory(prefix="modelzoo-bench-") as scratch:
-        yield Path(scratch) / name
-
-
-def check_recompute_layers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.recompute_layers is not None and args.recompute != "full":
-        parser.error("--recompute-layers goes with --recompute full")
-
-
-def recompute_name(setting: str, layers: int | None) -> str:
-    """The name result files give `--recompute setting [--recompute-layers N]`: the setting, or full_block<N>."""
-    return setting if layers is None else f"full_block{layers}"
-
-
-def recompute_settings(table: dict, setting: str, layers: int | None) -> tuple[dict, str]:
-    """Megatron's TransformerConfig settings for `--recompute setting` (a key of `table`) and `recompute_name`; with
-    `--recompute full --recompute-layers N` only the first N layers are recomputed (recompute_method="block")."""
-    settings = dict(table[setting])
-    if layers is not None:
-        settings.update(recompute_method="block", recompute_num_layers=layers)
-    return settings, recompute_name(setting, layers)
-
-
-def results_file(name: str) -> str:
-    """benchmarks/results/<name>_<gpu>.json, e.g. dense_h200.json: one file per benchmark, config and GPU."""
-    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split()[0].lower()
-    return str(RESULTS / f"{name}_{gpu}.json")
-
-
-def random_tokens(vocab: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Token ids drawn from a fixed seed, on the GPU: runs in separate processes time the same tokens (the MoE's
-    routing, and so its timing, depends on them)."""
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)).cuda()
-
-
-def matmul_peak_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
 
 
 def step_flops(config: dict, loops: int, batch: int, seq: int) -> float:
@@ -144,37 +53,6 @@ def step_flops(config: dict, loops: int, batch: int, seq: int) -> float:
     pairs_per_layer = causal_pairs if loops == 1 else 2 * causal_pairs + seq * config["loop_window_size"]
     attention = 3 * 4 * batch * heads * head_dim * layers * pairs_per_layer  # QK^T and PV, fwd + bwd
     return dense + attention
-
-
-def time_steps(step, steps: int, warmup: int = 3) -> tuple[float, float]:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    # reserved, not allocated: what the caching allocator holds from the GPU (CUDA graph pools included)
-    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_reserved() / 2**30
-
-
-def hf_step(model, ids):
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        return loss.detach()
-    return step
-
-
-def megatron_step(provider, model, ids):
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = -provider.token_logprobs(model, ids).mean()
-        loss.backward()
-        return loss.detach()
-    return step
 
 
 def main() -> None:
@@ -259,9 +137,9 @@ def main() -> None:
         r.update(tokens_per_s_vs_hf_llama=ratio, memory_vs_hf_llama=memory_ratio)
         print(f"{r['model']:<22}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>10.0f}{r['tflops']:>9.0f}"
               f"{r['mfu']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>13.2f}{memory_ratio:>11.2f}")
-    with open(args.out or results_file(result_name), "w") as handle:
-        json.dump({**run_record("bench_dense.py"), "peak_tflops": peak, "batch": batch, "seq": seq,
-                   "recompute": setting, "results": results}, handle, indent=2)
+    write_run(args.out or results_file(result_name), {**run_record("bench_dense.py"), "peak_tflops": peak,
+                                                      "batch": batch, "seq": seq, "recompute": setting,
+                                                      "results": results})
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@
 (default large) with our fast path (`ours`) or transformers' eager model (`transformers`). Each probe is a fresh
 process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
 untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
-steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Writes
-benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json (recompute full_block<N> with
-`--recompute-layers N`) with every probe's figures, after each probe
-("complete": false until the search ends).
+steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Adds its run,
+with every probe's figures, to benchmarks/results/longest_fit_<bench>_<model>_<recompute>_<gpu>.json (recompute
+full_block<N> with `--recompute-layers N`) after each probe ("complete": false until the search ends); the runs of
+other commands (probes at other lengths) stay in the file beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from harness import check_recompute_layers, exit_on_sigterm, recompute_name, results_file, run_record, write_run
 
 HERE = Path(__file__).resolve().parent
 OUT_OF_MEMORY_SIGNS = ("OutOfMemoryError", "CUDA out of memory")
@@ -92,7 +94,7 @@ def probe(args, seq: int, probes: list[dict]) -> bool:
         command = probe_command(args, seq, out)
         status, stderr = run_probe(command, scratch, args.probe_timeout)
         if status == 0:
-            [result] = json.loads(out.read_text())["results"]
+            [result] = json.loads(out.read_text())["runs"][-1]["results"]
         elif any(sign in stderr for sign in OUT_OF_MEMORY_SIGNS):  # outside the timed steps (building)
             result = {"out_of_memory": True}
         else:
@@ -120,9 +122,6 @@ def main() -> None:
     parser.add_argument("--probe-timeout", type=int, default=900, help="seconds one probe may take")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    from bench_dense import check_recompute_layers, exit_on_sigterm, recompute_name, results_file, run_record
-
     if args.bench == "deepseek_v4" and args.model not in ("ours", "transformers"):
         parser.error("deepseek_v4 models: ours or transformers")
     if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and (
@@ -133,7 +132,7 @@ def main() -> None:
     setting = recompute_name(args.recompute, args.recompute_layers)
 
     exit_on_sigterm()  # run_probe's cleanup runs when stopped
-    out = Path(args.out or results_file(f"longest_fit_{args.bench}_{args.model}_{setting}"))
+    out = args.out or results_file(f"longest_fit_{args.bench}_{args.model}_{setting}")
     record = run_record("bench_longest_fit.py")
     probes: list[dict] = []
 
@@ -141,13 +140,12 @@ def main() -> None:
         """One probe, then the file as it stands: a search stopped part-way still leaves the probes it made."""
         fit = probe(args, seq, probes)
         fitted = [p["seq"] for p in probes if p["fits"]]
-        out.write_text(json.dumps({**record, "complete": False, "longest_fit_so_far": max(fitted, default=None),
-                                   "probes": probes}, indent=2))
+        write_run(out, {**record, "complete": False, "longest_fit_so_far": max(fitted, default=None), "probes": probes})
         return fit
 
     longest = longest_fit(probe_and_write, args.start, args.max, args.refine, args.granularity)
     print(f"longest fit: {longest} tokens ({args.bench} {args.model}, recompute {setting})")
-    out.write_text(json.dumps({**record, "complete": True, "longest_fit": longest, "probes": probes}, indent=2))
+    write_run(out, {**record, "complete": True, "longest_fit": longest, "probes": probes})
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dense import LOOPCODER
+from bench_deepseek_v4 import model_config, our_model
+from harness import results_file, run_record, scratch_folder, write_run
 
 SAMPLES, SHORTEST, LONGEST = 16, 256, 16384
 
@@ -42,16 +42,11 @@ def build(name: str):
     from modelzoo import build_provider
 
     if name == "loopcoder":
-        from bench_dense import LOOPCODER
-
         config = {**LOOPCODER, "max_position_embeddings": LONGEST * SAMPLES}
         provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast",
                                   recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return provider, provider.provide()
-    from bench_dense import scratch_folder
-    from bench_deepseek_v4 import model_config, our_model
-
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
         write_deepseek_v4_tiny(folder, model_config("small", 0))
@@ -72,7 +67,7 @@ def training_step(model, micro_batches):
 
 
 def packed_batches(samples):
-    from modelzoo.sequences import pack_sequences
+    from modelzoo.layers.sequences import pack_sequences
 
     batch = pack_sequences(samples, divisor=128, device="cuda")
     labels, loss_mask = batch.labels()
@@ -135,14 +130,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/packed_<gpu>.json")
     args = parser.parse_args()
 
-    from bench_dense import results_file
     from modelzoo import runtime
 
     lengths = sample_lengths()
     real_tokens = sum(lengths)
     generator = torch.Generator().manual_seed(1)
-    report = {"lengths": lengths, "real_tokens": real_tokens, "steps": args.steps,
-              "padded_micro_batch": args.padded_micro_batch, "device": torch.cuda.get_device_name(), "models": {}}
+    report = {**run_record("bench_packed.py"), "lengths": lengths, "real_tokens": real_tokens, "steps": args.steps,
+              "padded_micro_batch": args.padded_micro_batch, "models": {}}
     with runtime.parallel(tp=1):
         for name in args.models.split(","):
             provider, model = build(name)
@@ -164,7 +158,7 @@ def main() -> None:
             del model
             torch.cuda.empty_cache()
 
-    print(f"{real_tokens} real tokens in {SAMPLES} samples of {min(lengths)}..{max(lengths)}; {report['device']}")
+    print(f"{real_tokens} real tokens in {SAMPLES} samples of {min(lengths)}..{max(lengths)}; {report['machine']}")
     print(f"{'model':<12}{'form':<10}{'s/step':>9}{'real tok/s':>12}{'peak GiB':>10}")
     for name, results in report["models"].items():
         for form in ("packed", "unpacked", "padded"):
@@ -177,7 +171,7 @@ def main() -> None:
         for baseline in ("unpacked", "padded"):
             if f"packed_vs_{baseline}" in results:
                 print(f"{name:<12}packed / {baseline}: {results[f'packed_vs_{baseline}']:.2f}x")
-    Path(args.out or results_file("packed")).write_text(json.dumps(report, indent=2))
+    write_run(args.out or results_file("packed"), report)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_deepseek_v4 import CONFIGS, RECOMPUTE, model_config, our_model  # noqa: E402
-from bench_dense import recompute_settings, scratch_folder  # noqa: E402
+from bench_deepseek_v4 import CONFIGS, RECOMPUTE, model_config, our_model
+from harness import recompute_settings, scratch_folder
 
 
 def saved_bytes_by_module(model: torch.nn.Module, forward) -> tuple[dict[str, int], object]:
@@ -69,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     config = model_config(args.config, args.seq)
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, None)

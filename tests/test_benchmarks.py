@@ -1,5 +1,6 @@
 """The benchmark scripts' own machinery (CPU): probes that do not outlive their limit, scratch folders that go away
-when a run is stopped, the recorded command, the longest-fit search, the context-parallel benchmark's ranks."""
+when a run is stopped, the recorded command, result files of runs, the longest-fit search, the context-parallel
+benchmark's ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import bench_dense  # noqa: E402
+import harness  # noqa: E402
 from bench_longest_fit import longest_fit, run_probe  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def test_a_stopped_benchmark_removes_its_scratch_folder(tmp_path):
     run = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(BENCHMARKS)!r})
-        from bench_dense import scratch_folder
+        from harness import scratch_folder
         with scratch_folder("checkpoint") as folder:
             folder.mkdir()
             (folder / "model.safetensors").write_bytes(b"weights")
@@ -79,13 +80,26 @@ def test_a_stopped_benchmark_removes_its_scratch_folder(tmp_path):
 def test_the_recorded_command_can_be_typed_again(monkeypatch):
     """An empty argument (`--paths ''`: transformers' model alone) survives; `--out`, naming where one machine wrote
     the file, is left out in both spellings."""
-    monkeypatch.setattr(bench_dense.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(harness.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     monkeypatch.setenv("MODELZOO_COMMIT", "abc1234")
     monkeypatch.setattr(sys, "argv", ["bench_deepseek_v4.py", "--paths", "", "--out", "/x/y.json", "--seq", "7168",
                                       "--out=/x/z.json"])
-    record = bench_dense.run_record("bench_deepseek_v4.py")
+    record = harness.run_record("bench_deepseek_v4.py")
     assert record["command"] == "python3 benchmarks/bench_deepseek_v4.py --paths '' --seq 7168"
-    assert (record["gpu"], record["commit"]) == ("NVIDIA H200", "abc1234")
+    assert (record["machine"], record["commit"]) == ("NVIDIA H200", "abc1234")
+    assert record["versions"]["torch"] == torch.__version__ and set(harness.PROVENANCE) <= set(record)
+
+
+def test_a_run_replaces_the_run_of_its_command_and_joins_the_others(tmp_path):
+    """One file per benchmark, configuration and machine: a rerun of a command replaces its figures, a run of another
+    command (a longest-fit probe at another length) is added to them."""
+    out = tmp_path / "longest_fit_dense_x_full_h100.json"
+    harness.write_run(out, {"command": "probe --start 8", "ms": 1})
+    harness.write_run(out, {"command": "probe --start 16", "ms": 2})
+    harness.write_run(out, {"command": "probe --start 8", "ms": 3})
+    assert json.loads(out.read_text())["runs"] == [{"command": "probe --start 16", "ms": 2},
+                                                   {"command": "probe --start 8", "ms": 3}]
 
 
 def test_the_deepseek_v4_bench_model_has_positions_for_its_row():
@@ -122,7 +136,7 @@ def test_the_context_parallel_benchmark_runs_its_two_layouts_on_cpu_ranks(tmp_pa
          "tiny_checkpoints" / "loopcoder-tiny"), "--seq", "64", "--cp", "2", "--dtype", "float32", "--steps", "1",
          "--warmup", "0", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    result = json.loads(out.read_text())
+    [result] = json.loads(out.read_text())["runs"]
     assert [(r["gpus"], r["seq"]) for r in (result["one_gpu"], result["context_parallel"])] == [(1, 64), (2, 128)]
 
 
@@ -138,13 +152,13 @@ def test_a_stopped_search_leaves_the_probes_it_made(tmp_path, monkeypatch):
 
     out = tmp_path / "longest.json"
     monkeypatch.setattr(bench_longest_fit, "probe", fake_probe)
-    monkeypatch.setattr(bench_dense.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # main's SIGTERM handler stays out of this process
     monkeypatch.setattr(sys, "argv", ["bench_longest_fit.py", "dense", "megatron-loopcoder", "--start", "4096",
                                       "--out", str(out)])
     with pytest.raises(SystemExit):
         bench_longest_fit.main()
-    written = json.loads(out.read_text())
+    [written] = json.loads(out.read_text())["runs"]
     assert written["complete"] is False and written["longest_fit_so_far"] == 16384
     assert [p["seq"] for p in written["probes"]] == [4096, 8192, 16384]
 

@@ -245,3 +245,4 @@ def write_deepseek_v41_tiny(folder: str | Path) -> None:
     (folder / "config.json").write_text(json.dumps(DEEPSEEK_V41_TINY, indent=2, sort_keys=True) + "\n")
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=2, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
+

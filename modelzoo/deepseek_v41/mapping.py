@@ -11,8 +11,8 @@ Per layer (`attn.*` only where the layer has it: the compressor at KV sources, `
 index sources, `wk` / `k_norm` at KV sources; `engram.*` at Engram layers):
 """
 
-from conversion.mapping import MappingTable, Rule
-from conversion.transforms import PadVocab, Stack
+from modelzoo.conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.transforms import PadVocab, Stack
 
 # the vision tower, its aligner and the image delimiters: the text model does not read them, the export writes them back
 CARRIED_PREFIXES = ("vision.", "aligner.", "image_")

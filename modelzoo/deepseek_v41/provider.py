@@ -3,6 +3,7 @@
     config.py    the HF config (composite: text_config, vision_config) and its Megatron translation
     model/       attention (CSA2 roles), engram, moe, model (single-pass mHC, DSpark)
     mapping.py   the HF <-> Megatron name table
+    lora.py      LoRA targets; sync.py: the update groups of a weight sync
     hf_model.py  our reference, the parity oracle
 
 The text model is built; the vision tower, aligner and image delimiters are not used by it: whatever of them the
@@ -21,6 +22,20 @@ from modelzoo.deepseek_v41.config import DeepseekV41Args, DeepseekV41Config
 from modelzoo.deepseek_v41.mapping import CARRIED_PREFIXES, deepseek_v41_mapping
 from modelzoo.provider import ModelProvider
 from modelzoo.registry import register
+
+
+class _ModelNamings:
+    """`sync_namings()` of the provider: on a provider, its model's namings (the compressor pairs sit at the pooling
+    KV sources of its config: `sync.NAMINGS(text_config)`); on the class, which has no config, the groups every
+    V4.1 model has."""
+
+    def __get__(self, provider, cls):
+        def sync_namings():
+            from modelzoo.deepseek_v41.sync import NAMINGS
+
+            return NAMINGS(None if provider is None else provider.hf_config)
+
+        return sync_namings
 
 
 @register
@@ -101,7 +116,7 @@ class DeepseekV41Provider(ModelProvider):
     def carried_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of the checkpoint's tensors the text model does not use (`CARRIED_PREFIXES`):
         as recorded (`carried`), else read from the folder's weights; none for a config without weights."""
-        from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+        from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
 
         folder = self.hf_dir
         if self._carried is not None:
@@ -122,6 +137,14 @@ class DeepseekV41Provider(ModelProvider):
             return {}
         return {"carried": {name: [list(shape), str(dtype).removeprefix("torch.")]
                             for name, (shape, dtype) in carried.items()}}
+
+    @classmethod
+    def lora_targets(cls):
+        from modelzoo.deepseek_v41.lora import LORA_TARGETS  # imports modelzoo.lora (Megatron-Core): not for reading a config
+
+        return LORA_TARGETS
+
+    sync_namings = _ModelNamings()
 
     def build_model(self, config):
         from modelzoo.deepseek_v41.model.model import DeepseekV41Model

@@ -3,8 +3,8 @@
 vLLM's and SGLang's V4.1 loaders fuse the attention's wq_a + wkv (`fused_wqa_wkv`), a pooling KV source's compressor
 wkv + wgate (`fused_wkv_wgate`; a ratio-1 source has no wgate) and each expert's w1 + w3 (`gate_up_proj`, routed and
 shared). A group with one member missing stops the sync, so the compressor pairs are declared for the layers that
-pool, read from the config (`NAMINGS(provider)`). The DSpark layers (`mtp.K`) are sliding-window layers with the
-attention and expert pairs.
+pool, read from the config (`NAMINGS(text_config)`, which the provider's `sync_namings()` returns). The DSpark
+layers (`mtp.K`) are sliding-window layers with the attention and expert pairs.
 
 Namings. `hf`: the names `export_hf_weights` yields (transformers main's: release leaves under `model.`,
 `lm_head`). `native`: the release checkpoint's names, as vLLM and SGLang load V4.1 (`layers.N.*`, `embed`,
@@ -13,7 +13,7 @@ the engines drop `mtp.*`, `vision.*`, `aligner.*` and `image_*` on load; they ar
 serves DSpark or images reads them).
 """
 
-from conversion.sync import Naming, UpdateGroup
+from modelzoo.conversion.sync import Naming, UpdateGroup
 
 
 def _update_groups(layer: str, prefix: str = "") -> tuple[UpdateGroup, ...]:
@@ -43,10 +43,11 @@ def hf_to_native(name: str) -> str:
 MTP_GROUPS = _update_groups("mtp.*", prefix="mtp.")
 
 
-def NAMINGS(provider) -> dict[str, Naming]:  # noqa: N802 - the name modelzoo.sync looks up
-    """The namings of this provider's model: the compressor pairs sit at its pooling KV sources."""
-    text = provider.hf_config
-    pooling = [i for i in text.kv_source_layer_ids if text.compress_ratios[i] > 1]
+def NAMINGS(text_config=None) -> dict[str, Naming]:  # noqa: N802 - the provider's sync_namings() returns it
+    """The namings of a model of `text_config` (its DeepseekV41TextConfig): the compressor pairs sit at its pooling
+    KV sources. Without a config (the provider class, not a provider): the groups every V4.1 model has."""
+    pooling = [] if text_config is None else [i for i in text_config.kv_source_layer_ids
+                                              if text_config.compress_ratios[i] > 1]
     return {"hf": Naming(_update_groups("model.layers.*") + _compressor_groups("model.layers", pooling) + MTP_GROUPS),
             "native": Naming(_update_groups("layers.*") + _compressor_groups("layers", pooling) + MTP_GROUPS,
                              rename=hf_to_native)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
@@ -19,11 +18,10 @@ def load_tiny():
 
 
 def tiny_generator():
-    """tiny_checkpoints/deepseek_v41_tiny.py, loaded by path (it lives outside the package)."""
-    spec = importlib.util.spec_from_file_location("deepseek_v41_tiny", TINY / "deepseek_v41_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tiny_checkpoints/deepseek_v41_tiny.py (the tiny generators are a package of their own, not modelzoo's)."""
+    from tiny_checkpoints import deepseek_v41_tiny
+
+    return deepseek_v41_tiny
 
 
 def random_rows(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +52,7 @@ def megatron_grads_as_hf(provider, model) -> dict[str, torch.Tensor]:
 
 def megatron_trainable_names(provider, model) -> set[str]:
     """The checkpoint names of the Megatron model's trainable parameters."""
-    from conversion.engine import megatron_tensors
+    from modelzoo.conversion.engine import megatron_tensors
 
     table = provider.mapping()
     names = set()

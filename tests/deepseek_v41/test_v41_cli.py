@@ -10,7 +10,7 @@ import torch
 from dsv41_helpers import V41_TINY
 from safetensors.torch import load_file
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 
 @pytest.mark.parametrize("import_layout, export_layout", [

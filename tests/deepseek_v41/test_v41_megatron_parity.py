@@ -39,7 +39,7 @@ from dsv41_helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from conversion import megatron_ckpt
+from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, runtime
 
 LOGPROB_TOLERANCE = 1e-5

@@ -11,9 +11,8 @@ import torch
 from dsv41_helpers import V41_TINY
 from test_weight_sync import FusingEngine, chunk_size_cases, group_sizes, unequal_tensors
 
-from conversion.sync import GroupIndex
+from modelzoo.conversion.sync import GroupIndex
 from modelzoo import build_provider, lora, runtime
-from modelzoo.deepseek_v41.sync import NAMINGS
 from modelzoo.sync import WeightSync, engine_naming
 
 def _pooling_layers() -> list[int]:
@@ -40,7 +39,7 @@ RANDOM_SIZES = 2
 def _sync_cases(model, provider, export: dict, lora_mode: str) -> dict:
     results = {}
     for naming in ("hf", "native"):
-        rename = NAMINGS(provider)[naming].rename or (lambda name: name)
+        rename = provider.sync_namings()[naming].rename or (lambda name: name)
         reference = {rename(name): tensor for name, tensor in export.items()}
         index = GroupIndex(engine_naming(provider, naming).groups)
         results[naming, "matched-groups"] = {found[0].fused for name in reference if (found := index.find(name))}
@@ -53,7 +52,7 @@ def _sync_cases(model, provider, export: dict, lora_mode: str) -> dict:
                                      engine.oversized_chunks_that_are_not_one_unit(sizes, chunk_bytes))
         results[naming, "groups"] = len(group_sizes(reference, V41_ENGINE_FUSIONS))
         results[naming, "names"] = sorted(reference)
-        results[naming, "declared"] = {group.fused for group in NAMINGS(provider)[naming].groups}
+        results[naming, "declared"] = {group.fused for group in provider.sync_namings()[naming].groups}
     return results
 
 
@@ -92,7 +91,7 @@ def test_engine_loads_every_chunk_stream_and_gets_the_export_bit_exactly(synced,
 
 def test_only_the_pooling_sources_compressors_are_paired():
     provider = build_provider(V41_TINY)
-    pairs = [group.members for group in NAMINGS(provider)["hf"].groups if group.fused == "fused_wkv_wgate"]
+    pairs = [group.members for group in provider.sync_namings()["hf"].groups if group.fused == "fused_wkv_wgate"]
     assert [int(wkv.split(".")[2]) for wkv, _ in pairs] == [2, 4]  # layer 6 (ratio 1) has no wgate
 
 

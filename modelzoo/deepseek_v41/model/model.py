@@ -29,7 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from modelzoo import gpt_call
+from modelzoo.layers import gpt_call
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
 from modelzoo.deepseek_v4.model.model import DeepseekV4Model
@@ -40,7 +40,7 @@ from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
 from modelzoo.provider import keep_fp32
-from modelzoo.sequences import TokenLayout
+from modelzoo.layers.sequences import TokenLayout
 
 
 class SinglePassHyperConnection(HyperConnection):
