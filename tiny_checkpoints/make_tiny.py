@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from modelzoo.conversion.safetensors_io import ShardedWriter
-from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny
+from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny, write_deepseek_v41_tiny_native
 from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny, write_deepseek_v4_tiny_native
 
 HERE = Path(__file__).resolve().parent
@@ -135,6 +135,7 @@ CHECKPOINTS = {
     "deepseek-v4-tiny": write_deepseek_v4_tiny,
     "deepseek-v4-tiny-native": write_deepseek_v4_tiny_native,
     "deepseek-v41-tiny": write_deepseek_v41_tiny,
+    "deepseek-v41-tiny-native": write_deepseek_v41_tiny_native,
 }
 
 

@@ -4,6 +4,7 @@
     model/       attention (CSA2 roles), engram, moe, model (single-pass mHC, DSpark)
     mapping.py   the HF <-> Megatron name table
     lora.py      LoRA targets; sync.py: the update groups of a weight sync
+    release.py   the release checkpoint format: native names, FP8 / FP4 weights (DeepSeek-V4's release machinery)
     hf_model.py  our reference, the parity oracle
 
 The text model is built; the vision tower, aligner and image delimiters are not used by it: whatever of them the
@@ -49,6 +50,16 @@ class DeepseekV41Provider(ModelProvider):
     engine_naming = "native"  # vLLM and SGLang load V4.1 by its release names (sync.py)
 
     recorded_options = {"carried": dict}
+    checkpoint_formats = {"native": "the release checkpoint's names, FP8 / FP4 weights (dequantised on import)"}
+    cli_options = {
+        "--quantize": {"commands": ("export",), "passed_to": "save", "choices": ("none", "fp8"), "default": "none",
+                       "help": "fp8: re-quantise to the release layout (FP8 32x32 blocks, FP4 routed experts, FP8 "
+                               "Engram tables)"},
+        "--experts": {"commands": ("export",), "passed_to": "save", "choices": ("mxfp4", "fp8"), "default": None,
+                      "help": "routed-expert format with --quantize"},
+        "--scale-format": {"commands": ("export",), "passed_to": "save", "choices": ("keep", "e8m0", "f32"),
+                           "default": "keep", "help": "FP8 scale format (keep: the source checkpoint's)"},
+    }
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
                  train_engram_tables: bool = False, carried: dict | None = None, **config_overrides):
@@ -116,14 +127,14 @@ class DeepseekV41Provider(ModelProvider):
     def carried_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of the checkpoint's tensors the text model does not use (`CARRIED_PREFIXES`):
         as recorded (`carried`), else read from the folder's weights; none for a config without weights."""
-        from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+        from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE
 
         folder = self.hf_dir
         if self._carried is not None:
             return self._carried
         if folder is None or not ((folder / SINGLE_FILE).exists() or (folder / INDEX_FILE).exists()):
             return {}
-        reader = CheckpointReader(folder)
+        reader = self.checkpoint_reader(folder)  # as the import reads them: a quantised one dequantised
         try:
             self._carried = {name: (tuple(reader.tensors[name].shape), reader.tensors[name].dtype)
                              for name in reader.names() if name.startswith(CARRIED_PREFIXES)}
@@ -145,6 +156,24 @@ class DeepseekV41Provider(ModelProvider):
         return LORA_TARGETS
 
     sync_namings = _ModelNamings()
+
+    def checkpoint_reader(self, folder, naming=None):
+        # release checkpoints: native names, FP8 / FP4 weights dequantised on read (release.py)
+        from modelzoo.deepseek_v4.release.checkpoint import checkpoint_view
+        from modelzoo.deepseek_v41.release import DEEPSEEK_V41
+
+        return checkpoint_view(folder, self.params_dtype, naming, release=DEEPSEEK_V41)
+
+    def keep_source_files(self, reader, folder):
+        from modelzoo.deepseek_v4.release.view import keep_source_scales
+
+        keep_source_scales(reader, folder)
+
+    def save_checkpoint(self, model, out_dir, format="hf", quantize=None, **options):
+        from modelzoo.deepseek_v4.release import checkpoint as release
+        from modelzoo.deepseek_v41.release import DEEPSEEK_V41
+
+        return release.save(self, model, out_dir, naming=format, quantize=quantize, release=DEEPSEEK_V41, **options)
 
     def build_model(self, config):
         from modelzoo.deepseek_v41.model.model import DeepseekV41Model

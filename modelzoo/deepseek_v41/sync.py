@@ -8,12 +8,13 @@ layers (`mtp.K`) are sliding-window layers with the attention and expert pairs.
 
 Namings. `hf`: the names `export_hf_weights` yields (transformers main's: release leaves under `model.`,
 `lm_head`). `native`: the release checkpoint's names, as vLLM and SGLang load V4.1 (`layers.N.*`, `embed`,
-`head`, `norm`, `mtp.K.*`, `vision.*`): the exported name without `model.`, `lm_head` as `head`. For a text model
+`head`, `norm`, `mtp.K.*`, `vision.*`): the exported name without `model.`, `lm_head` as `head` (release.py). For a text model
 the engines drop `mtp.*`, `vision.*`, `aligner.*` and `image_*` on load; they are sent all the same (an engine that
 serves DSpark or images reads them).
 """
 
 from modelzoo.conversion.sync import Naming, UpdateGroup
+from modelzoo.deepseek_v41.release import hf_to_native
 
 
 def _update_groups(layer: str, prefix: str = "") -> tuple[UpdateGroup, ...]:
@@ -33,11 +34,6 @@ def _compressor_groups(layers: str, pooling_sources: list[int]) -> tuple[UpdateG
     return tuple(UpdateGroup("fused_wkv_wgate", (f"{layers}.{i}.attn.compressor.wkv.weight",
                                                  f"{layers}.{i}.attn.compressor.wgate.weight"))
                  for i in pooling_sources)
-
-
-def hf_to_native(name: str) -> str:
-    """An exported (transformers main) name -> the release's."""
-    return "head.weight" if name == "lm_head.weight" else name.removeprefix("model.")
 
 
 MTP_GROUPS = _update_groups("mtp.*", prefix="mtp.")
