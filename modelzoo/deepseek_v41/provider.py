@@ -84,6 +84,8 @@ class DeepseekV41Provider(ModelProvider):
 
     def check_supported(self) -> None:
         v41_config.check_supported(self.hf_config, self.config_source)
+        if self.hf_dir is not None:  # a checkpoint folder: its tokenizer checked before anything is read or written
+            self._token_map = self.engram_token_map()
         if self.attention != "exact":
             raise ValueError(f"deepseek_v41: attention={self.attention!r} is not implemented; the Megatron model runs "
                              "the exact (eager) attention")
@@ -112,6 +114,8 @@ class DeepseekV41Provider(ModelProvider):
         text = self.hf_config
         if not text.engram_layer_ids:
             return None
+        if getattr(self, "_token_map", None) is not None:
+            return self._token_map
         tokenizer = Path(self.hf_dir) / "tokenizer.json" if self.hf_dir is not None else None
         if tokenizer is None or not tokenizer.is_file():
             raise ValueError(f"deepseek_v41: {tokenizer or 'this provider (built from a config dict)'} has no "
