@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+from modelzoo.conversion.safetensors_io import CheckpointError
 from modelzoo.deepseek_v4.release.checkpoint import RELEASE_EXPERTS, ReleaseFormat, is_native
 from modelzoo.deepseek_v41.hf_model import ENGRAM_SCALE_BLOCK
 
@@ -30,6 +31,7 @@ RELEASE_FP8 = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|i
                          r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$")
 ENGRAM_TABLE = re.compile(r"^(model\.)?layers\.\d+\.engram\.embed\.weight$")  # either naming
 _NATIVE_UNDER_MODEL = ("embed.", "norm.", "layers.")
+_NATIVE_AS_HF = ("mtp.", "vision.", "aligner.", "image_")  # the same name in both namings
 
 
 def hf_to_native(name: str) -> str:
@@ -40,7 +42,12 @@ def hf_to_native(name: str) -> str:
 def native_to_hf(name: str) -> str:
     if name == "head.weight":
         return "lm_head.weight"
-    return f"model.{name}" if name.startswith(_NATIVE_UNDER_MODEL) else name
+    if name.startswith(_NATIVE_UNDER_MODEL):
+        return f"model.{name}"
+    if name.startswith(_NATIVE_AS_HF):
+        return name
+    raise CheckpointError(f"{name}: not a DeepSeek-V4.1 native tensor name (the release's names are embed.*, "
+                          f"layers.N.*, norm.*, head.weight, mtp.K.*, vision.*, aligner.*, image_*)")
 
 
 def release_format(native_name: str, experts: str = "mxfp4") -> str | None:

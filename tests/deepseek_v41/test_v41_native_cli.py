@@ -1,7 +1,10 @@
 """DeepSeek-V4.1's release format through the CLI: import of deepseek-v41-tiny-native (FP8 / FP4, native names) and
 of its HF-named dequantised twin, export --format native --quantize fp8, bit-exact both ways."""
 
+import re
+
 import pytest
+from dsv41_helpers import V41_TINY
 from test_v41_native import NATIVE, assert_same_bytes, read_all, write_dequantised
 
 from modelzoo.conversion.cli import main
@@ -31,3 +34,14 @@ def test_cli_hf_naming_round_trip_to_native(tmp_path, dequantised):
     assert_same_bytes(read_all(tmp_path / "native"), read_all(NATIVE))
 
 
+
+
+@pytest.mark.parametrize("source, naming, message", [
+    (V41_TINY, "native", r"model\.\S+: not a DeepSeek-V4\.1 native tensor name"),
+    (NATIVE, "hf", r"unexpected tensors? .*layers\.0\."),
+], ids=["hf-read-as-native", "native-read-as-hf"])
+def test_a_checkpoint_read_in_the_other_naming_is_refused(tmp_path, capsys, source, naming, message):
+    assert main(["import", str(source), str(tmp_path / "out"), "--format", naming]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "out").exists()
