@@ -157,3 +157,14 @@ def test_a_checkpoint_mixing_the_two_namings_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "mixes native names" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_help_describes_each_architectures_native_format_and_quantisation(capsys):
+    """Two architectures declare `native` and `--quantize`: the help gives each one's description, not one of them."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "deepseek_v4: the release checkpoint's names, FP8 / MXFP4" in text
+    assert "deepseek_v41: the release checkpoint's names, FP8 / FP4" in text
+    assert "FP8 128x128 blocks" in text and "FP8 32x32 blocks" in text
