@@ -232,3 +232,24 @@ def test_release_transformers_and_megatron_names_select_the_same_seven(provider,
 def test_refused_targets_say_why(provider, name, reason):
     with pytest.raises(ValueError, match=f"LoRA target '{name}' is refused for deepseek_v41: .*{reason}"):
         lora.resolve_targets(provider, ["wq_a", name])
+
+
+def test_cli_export_adapter_writes_the_adapter_the_api_saves(scenario, tmp_path):
+    """`modelzoo export-adapter` of the LoRA training checkpoint gives the PEFT adapter `lora.save_adapter` wrote
+    from the live model: the same tensors bit for bit, the same adapter config."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from modelzoo.conversion.cli import main
+
+    tp, result = scenario
+    saved = Path(result["adapter"])
+    assert main(["export-adapter", str(saved.parent / f"checkpoint-tp{tp}"), str(tmp_path / "adapter"),
+                 "--tp", str(tp)]) == 0
+    ours, theirs = load_file(tmp_path / "adapter" / "adapter_model.safetensors"), \
+        load_file(saved / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((saved / "adapter_config.json").read_text())
