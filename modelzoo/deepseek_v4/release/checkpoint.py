@@ -181,8 +181,8 @@ def export_weights(provider, model, naming: str = "native", quantize: str | None
                    kept: KeptScales | None = None,
                    release: ReleaseFormat | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(name, tensor)` in `naming` ('native' | 'hf'); `quantize='fp8'` writes the release precision:
-    FP8 128x128 blocks with scales in `scale_format`, routed experts in `experts` ('mxfp4' | 'fp8'; None:
-    as the source stored them, else mxfp4). With `kept` (the source's KeptScales) the weights the source
+    FP8 blocks (the release's: V4 128x128) with scales in `scale_format`, routed experts in `experts` ('mxfp4' |
+    'fp8'; None: as the source stored them, else mxfp4). With `kept` (the source's KeptScales) the weights the source
     quantised are the ones quantised, in its formats, with its scales wherever they still encode a weight
     exactly; without, the release table decides (`release`: DeepSeek-V4's by default)."""
     release = release or DEEPSEEK_V4
