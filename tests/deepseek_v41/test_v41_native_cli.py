@@ -45,3 +45,17 @@ def test_a_checkpoint_read_in_the_other_naming_is_refused(tmp_path, capsys, sour
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_hf_naming_quantised_round_trip(tmp_path):
+    """native -> export --format hf --quantize fp8 (transformers main's names, `weight_scale_inv`, the Engram tables
+    as codes + `.scale`) -> import -> export --format native --quantize fp8: the release's bytes again."""
+    assert main(["import", str(NATIVE), str(tmp_path / "megatron")]) == 0
+    assert main(["export", str(tmp_path / "megatron"), str(tmp_path / "hf"), "--format", "hf", "--quantize", "fp8"]) == 0
+    names = set(read_all(tmp_path / "hf"))
+    assert {"model.layers.2.attn.wq_a.weight_scale_inv", "model.layers.1.engram.embed.scale",
+            "lm_head.weight"} <= names and not any(name.endswith(".attn.wq_a.scale") for name in names)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "megatron-again")]) == 0
+    assert main(["export", str(tmp_path / "megatron-again"), str(tmp_path / "native"), "--format", "native",
+                 "--quantize", "fp8"]) == 0
+    assert_same_bytes(read_all(tmp_path / "native"), read_all(NATIVE))
