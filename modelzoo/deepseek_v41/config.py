@@ -29,6 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 TRANSFORMERS_HAS_DEEPSEEK_V41 = "deepseek_v41" in CONFIG_MAPPING_NAMES
 
+ENGRAM_SCALE_BLOCK = 32  # one FP8 scale per 32 channels of an Engram table row (the release's and the lookup's)
 # transformers main's cache dispatch names: layers that publish compressed K/V, and every other layer
 SLIDING, SHARED_COMPRESSED = "sliding_attention", "shared_compressed_attention"
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")

@@ -23,7 +23,7 @@ import re
 
 from modelzoo.conversion.safetensors_io import CheckpointError
 from modelzoo.deepseek_v4.release.checkpoint import RELEASE_EXPERTS, ReleaseFormat, is_native
-from modelzoo.deepseek_v41.hf_model import ENGRAM_SCALE_BLOCK
+from modelzoo.deepseek_v41.config import ENGRAM_SCALE_BLOCK
 
 FP8_BLOCK = (32, 32)
 ENGRAM_TABLE_BLOCK = (1, ENGRAM_SCALE_BLOCK)

@@ -220,3 +220,32 @@ def test_a_scale_of_the_wrong_block_is_refused_by_name(tmp_path):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"layers\.2\.attn\.wq_a\.weight.*32x32 blocks"):
         release.checkpoint_view(folder, release=DEEPSEEK_V41)
+
+
+def test_the_reference_reads_the_release_as_its_dequantised_twin(dequantised):
+    """Our reference's from_pretrained on the release checkpoint (as transformers main reads the release: renamed,
+    dequantised) gives the weights it reads from the dequantised HF-named twin, every one, with nothing to report."""
+    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
+
+    native, info = DeepseekV41ForCausalLM.from_pretrained(NATIVE, dtype=torch.float32, output_loading_info=True)
+    twin = DeepseekV41ForCausalLM.from_pretrained(dequantised, dtype=torch.float32)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    ours, theirs = native.state_dict(), twin.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert native.model.engram_hasher.token_map.numel() == 250  # the folder's tokenizer, as on the HF path
+
+
+def test_the_reference_reports_what_a_release_checkpoint_lacks(tmp_path):
+    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
+
+    folder = tmp_path / "lacking"
+    folder.mkdir()
+    tensors = read_all(NATIVE)
+    del tensors["layers.3.attn.wo_b.weight"], tensors["layers.3.attn.wo_b.scale"]
+    tensors["layers.3.attn.surplus.weight"] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors")
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_bytes((NATIVE / name).read_bytes())
+    _, info = DeepseekV41ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert info["missing_keys"] == ["model.layers.3.attn.wo_b.weight"]
+    assert info["unexpected_keys"] == ["model.layers.3.attn.surplus.weight"]

@@ -59,3 +59,14 @@ def test_cli_hf_naming_quantised_round_trip(tmp_path):
     assert main(["export", str(tmp_path / "megatron-again"), str(tmp_path / "native"), "--format", "native",
                  "--quantize", "fp8"]) == 0
     assert_same_bytes(read_all(tmp_path / "native"), read_all(NATIVE))
+
+
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["tp1", "tp2"])
+def test_cli_parity_on_the_release_checkpoint(layout, capsys):
+    """`modelzoo parity` of the release checkpoint: our reference reads it as transformers main reads the release."""
+    import json
+
+    assert main(["parity", str(NATIVE), *layout, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["architecture"] == "deepseek_v41" and report["passed"]
+    assert report["max_abs_diff_logprobs"] <= 1e-5 and report["max_abs_diff_logprobs_packed"] <= 1e-5

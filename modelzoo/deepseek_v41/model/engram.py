@@ -24,7 +24,7 @@ from torch import nn
 
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, fp32_param, mark_tensor_parallel
 from modelzoo.deepseek_v41.config import DeepseekV41Args
-from modelzoo.deepseek_v41.hf_model import ENGRAM_SCALE_BLOCK
+from modelzoo.deepseek_v41.config import ENGRAM_SCALE_BLOCK
 from modelzoo.provider import VOCAB_PADDING_MULTIPLE
 
 
