@@ -52,7 +52,8 @@ def _synchronize() -> None:
 def _rank(rank: int, args: dict, folder: str | None, cp: int) -> dict:
     from megatron.core import parallel_state
 
-    from modelzoo import context_parallel, runtime
+    from modelzoo import runtime
+    from modelzoo.layers import context_parallel
 
     seq = cp * args["seq"]
     with runtime.parallel(cp=cp):
@@ -114,7 +115,7 @@ def main() -> None:
         if args.model == "deepseek_v4":
             from bench_deepseek_v4 import model_config
 
-            from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+            from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
             write_deepseek_v4_tiny(scratch, model_config("large", args.cp * args.seq))
             folder = str(scratch)

@@ -104,7 +104,14 @@ report(started)
 # The same steps as functions, run in process after a warm-up on the tiny checkpoint (see the docstring).
 STEPS = """
 from baseline import copy
-from conversion import cli
+from pathlib import Path
+
+if "modelzoo.conversion" in Path("setup.py").read_text() if Path("setup.py").exists() else False:
+    from modelzoo.conversion import cli
+else:  # an --against checkout from before conversion/ was installed as modelzoo.conversion
+    from conversion import cli
+# the child runs in the checkout it measures: its code, not another one's an editable install points to
+assert Path(cli.__file__).resolve().is_relative_to(Path.cwd().resolve()), (cli.__file__, Path.cwd())
 
 OPTIONS = {"format": "hf", "quantize": None}
 
@@ -200,8 +207,8 @@ def page_reporting() -> dict[str, str] | None:
 
 
 def make_checkpoint(folder: Path, layers: int, shard_bytes: int) -> int:
-    sys.path.insert(0, str(ROOT / "tiny_checkpoints"))
-    from make_tiny import write_sharded_loopcoder
+    sys.path.insert(0, str(ROOT))
+    from tiny_checkpoints.make_tiny import write_sharded_loopcoder
 
     total_bytes, _ = write_sharded_loopcoder(folder, {**CONFIG, "num_hidden_layers": layers}, shard_bytes)
     return total_bytes
@@ -278,7 +285,7 @@ def main() -> None:
 
     def cli(label: str, argv: list[str], inputs: Path) -> dict:
         return measure(label, MEASURE.format(argv=argv, inputs=str(inputs),
-                                             run='runpy.run_module("conversion.cli", run_name="__main__")'))[0]
+                                             run='runpy.run_module("modelzoo.conversion.cli", run_name="__main__")'))[0]
 
     baseline_cli = MEASURE.format(argv=[str(work / "baseline.py"), str(source), str(work / "copy-cli"), str(args.shard_bytes)],
                                   inputs=str(source),

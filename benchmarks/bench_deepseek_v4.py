@@ -59,7 +59,7 @@ CONFIGS = {
 def model_config(name: str, seq: int) -> dict:
     """`--config` `name` over the tiny checkpoint's fields, with positions for a row of `seq` tokens: the release
     attention's 65536, or `seq` where longer (the model refuses a row past its positions; RoPE costs the same)."""
-    from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY
+    from tiny_checkpoints.deepseek_v4_tiny import DEEPSEEK_V4_TINY
 
     config = {**DEEPSEEK_V4_TINY, **CONFIGS[name]}
     return {**config, "max_position_embeddings": max(config["max_position_embeddings"], seq)}
@@ -228,7 +228,7 @@ def run(args, folder: Path) -> None:
     from transformers import DeepseekV4ForCausalLM
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     config = model_config(args.config, args.seq)
     write_deepseek_v4_tiny(folder, config)

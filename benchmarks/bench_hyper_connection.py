@@ -21,7 +21,7 @@ import torch
 from modelzoo.deepseek_v4.model.hyper_connection import (HyperConnection, hc_residual, map_mixes, mixing_weights,
                                                          plain_collapse, plain_residual, plain_sinkhorn)
 from modelzoo.deepseek_v4.model.layers import linear_fp32
-from modelzoo.fused import fused
+from modelzoo.layers.fused import fused
 
 
 @fused

@@ -47,7 +47,7 @@ def build(name: str):
         provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast",
                                   recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return provider, provider.provide()
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
         write_deepseek_v4_tiny(folder, model_config("small", 0))
@@ -68,7 +68,7 @@ def training_step(model, micro_batches):
 
 
 def packed_batches(samples):
-    from modelzoo.sequences import pack_sequences
+    from modelzoo.layers.sequences import pack_sequences
 
     batch = pack_sequences(samples, divisor=128, device="cuda")
     labels, loss_mask = batch.labels()

@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from modelzoo import runtime
-    from modelzoo.deepseek_v4.tiny import write_deepseek_v4_tiny
+    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
 
     config = model_config(args.config, args.seq)
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, None)

@@ -34,11 +34,11 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 logging.getLogger("megatron.core").setLevel(logging.ERROR)
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-from conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
-from conversion.files import confined, read_json  # noqa: E402
-from conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
+from modelzoo.conversion.errors import CheckpointError, MappingError, one_line  # noqa: E402
+from modelzoo.conversion.files import confined, read_json  # noqa: E402
+from modelzoo.conversion.staging import remove_stale_staging, staging_prefix, write_failure  # noqa: E402
 from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, signals_interrupt  # noqa: E402
-from modelzoo.registry import build_provider, list_architectures  # noqa: E402
+from modelzoo.registry import BUILTIN_ARCHITECTURES, build_provider, list_architectures  # noqa: E402
 
 # Errors that describe the user's input: reported as one line, not as a traceback.
 USER_ERRORS = (MappingError, CheckpointError, ValueError, FileNotFoundError, FileExistsError)
@@ -93,9 +93,8 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
                  options: dict, allow_non_finite: bool, pp: int) -> int:
     import torch
 
-    from conversion import engine, megatron_ckpt, validation
-    from conversion.native import keep_source_scales
     from modelzoo import runtime
+    from modelzoo.conversion import engine, megatron_ckpt, validation
     from modelzoo.provider import TOKENIZER_FILES
 
     with (_existing_objects_not_collected(), runtime.parallel(tp=tp, ep=ep, pp=pp),
@@ -108,7 +107,7 @@ def _import_rank(rank: int, hf_dir: str, out_dir: str, tp: int, ep: int, dtype_n
         def write_hf_side(folder: Path) -> None:
             if retyped_config is not None:
                 (folder / config.name).write_text(retyped_config)
-            keep_source_scales(reader, folder)
+            provider.keep_source_files(reader, folder)
 
         try:
             tensors, elements = validation.reader_contents(reader)
@@ -154,7 +153,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
                  options: dict, allow_non_finite: bool = False) -> int:
     import torch
 
-    from conversion import megatron_ckpt, validation
+    from modelzoo.conversion import megatron_ckpt, validation
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(megatron_dir)
@@ -177,7 +176,7 @@ def _export_rank(rank: int, megatron_dir: str, out_dir: str, tp: int, ep: int, m
 def cmd_export(args) -> int:
     out = Path(args.hf_dir)
     _refuse_existing(out)
-    from conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
+    from modelzoo.conversion import megatron_ckpt  # after the check: a refused input does not wait for torch
     from modelzoo import runtime
 
     metadata = megatron_ckpt.read_metadata(args.megatron_dir)
@@ -188,11 +187,7 @@ def cmd_export(args) -> int:
     provider = build_provider(megatron_ckpt.hf_side(args.megatron_dir))
     provider.check_recorded_options(metadata.get("model_options", {}), str(metadata_file))
     provider.check_parallel_layout(args.tp, args.ep)
-    options = {"format": args.format, "quantize": None if args.quantize == "none" else args.quantize}
-    if args.experts is not None:
-        options["experts"] = args.experts
-    if args.scale_format != "keep":
-        options["scale_format"] = args.scale_format
+    options = {"format": args.format, **_architecture_options(args, "save")}
     written = runtime.run(_export_rank, args.tp * args.ep, args.megatron_dir, str(out), args.tp, args.ep,
                           args.max_shard_bytes, options, args.allow_non_finite)[0]
     _summary("export", [("architecture", metadata["architecture"]), ("source", args.megatron_dir),
@@ -239,8 +234,28 @@ def _read_token_lists(path: str, vocab_size: int, max_positions: int, config: st
     return tokens
 
 
+def _architecture_options(args, passed_to: str) -> dict:
+    """The options architectures add (`ModelProvider.cli_options`) that `args` gives other than their defaults."""
+    options = {}
+    for flag, option in _declared_cli_options().items():
+        dest = flag.removeprefix("--").replace("-", "_")
+        value = getattr(args, dest, option.get("default"))
+        if option["passed_to"] == passed_to and value != option.get("default"):
+            options[dest] = value
+    return options
+
+
+def _declared_cli_options() -> dict[str, dict]:
+    """flag -> its declaration (the first architecture's), with "architectures": those declaring it."""
+    options: dict[str, dict] = {}
+    for entry in BUILTIN_ARCHITECTURES.values():
+        for flag, option in entry.cli_options.items():
+            options.setdefault(flag, {**option, "architectures": []})["architectures"].append(entry.name)
+    return options
+
+
 def _provider_options(args) -> dict:
-    options = {"require_mtp": True} if args.require_mtp else {}
+    options = _architecture_options(args, "provider")
     if getattr(args, "sp", False):
         options["sequence_parallel"] = True
     return options
@@ -380,30 +395,24 @@ def build_parser() -> argparse.ArgumentParser:
         if dtype:
             sub.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
-    def require_mtp(sub):
-        sub.add_argument("--require-mtp", action="store_true",
-                         help="DeepSeek-V4: refuse a checkpoint without the MTP layers its config describes "
-                              "(default: load it without them, with a warning)")
+    formats = {name: f"{name} ({entry.name}): {text}" for entry in BUILTIN_ARCHITECTURES.values()
+               for name, text in entry.checkpoint_formats.items()}
+    formats_help = "; ".join(["hf: the Hugging Face checkpoint's names", *formats.values()])
 
     sub = commands.add_parser("import", help="HF checkpoint -> Megatron torch_dist checkpoint")
     sub.add_argument("hf_dir")
     sub.add_argument("megatron_dir")
-    sub.add_argument("--format", choices=("auto", "hf", "native"), default="auto",
-                     help="tensor naming of the source; native = a release checkpoint (FP8 / MXFP4 dequantised)")
+    sub.add_argument("--format", choices=("auto", "hf", *formats), default="auto",
+                     help=f"tensor naming of the source (auto: the architecture detects it); {formats_help}")
     common(sub)
-    require_mtp(sub)
     sub.set_defaults(func=cmd_import)
 
     sub = commands.add_parser("export", help="Megatron torch_dist checkpoint -> HF checkpoint")
     sub.add_argument("megatron_dir")
     sub.add_argument("hf_dir")
     sub.add_argument("--max-shard-bytes", type=int, default=5 * 2**30)
-    sub.add_argument("--format", choices=("hf", "native"), default="hf", help="tensor naming of the output")
-    sub.add_argument("--quantize", choices=("none", "fp8"), default="none",
-                     help="fp8: re-quantise to the release layout (FP8 128x128 blocks, MXFP4 routed experts)")
-    sub.add_argument("--experts", choices=("mxfp4", "fp8"), default=None, help="routed-expert format with --quantize")
-    sub.add_argument("--scale-format", choices=("keep", "e8m0", "f32"), default="keep",
-                     help="FP8 scale format (keep: the source checkpoint's)")
+    sub.add_argument("--format", choices=("hf", *formats), default="hf",
+                     help=f"tensor naming of the output; {formats_help}")
     common(sub, dtype=False)
     sub.set_defaults(func=cmd_export)
 
@@ -414,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     sub.add_argument("--naming", choices=("transformers", "release"), default="transformers",
                      help="module names: transformers' model class (what peft loads onto) or the checkpoint's "
-                          "tensor names (DeepSeek-V4 release leaves; the same for Llama and LoopCoder)")
+                          "tensor names (the same where transformers loads the checkpoint's names unchanged)")
     sub.set_defaults(func=cmd_export_adapter)
     for name in ("export", "export-adapter"):
         commands.choices[name].add_argument("--allow-non-finite", action="store_true",
@@ -430,7 +439,6 @@ def build_parser() -> argparse.ArgumentParser:
         common(sub)
         sub.add_argument("--sp", action="store_true",
                          help="sequence parallel: split each sequence over the --tp ranks (rows padded to a multiple)")
-        require_mtp(sub)
         sub.set_defaults(func=func)
     for name in ("import", "logprobs", "parity"):
         commands.choices[name].add_argument("--pp", type=int, default=1,
@@ -451,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--json", action="store_true")
 
     commands.add_parser("list", help="supported architectures").set_defaults(func=cmd_list)
+    for flag, option in _declared_cli_options().items():
+        keywords = {key: value for key, value in option.items() if key not in ("commands", "passed_to", "architectures")}
+        keywords["help"] = f"{', '.join(option['architectures'])}: {option['help']}"
+        for command in option["commands"]:
+            commands.choices[command].add_argument(flag, **keywords)
     return parser
 
 

@@ -13,15 +13,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from conversion import megatron_ckpt, validation
-from conversion.mapping import MappingError, MappingTable, Rule
-from conversion.safetensors_io import CheckpointReader
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import validation
+from modelzoo.conversion.mapping import MappingError, MappingTable, Rule
+from modelzoo.conversion.safetensors_io import CheckpointReader
+from modelzoo.conversion.transforms import RowBlocks
 
 
 # the name Megatron's checkpoints give the word embedding on every pipeline stage that holds a copy of it
 # (LanguageModule.tie_embeddings_and_output_weights_state_dict)
 SHARED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+def rank() -> int:
+    """This process's rank (0 without torch.distributed): the one that reports and writes."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def checkpoint_name_of(model: torch.nn.Module) -> Callable[[str], str]:
@@ -223,7 +228,7 @@ def load_hf_weights(model: torch.nn.Module, table: MappingTable, reader: Checkpo
     """Copy a checkpoint into `model`, this rank's shard of each tensor, one tensor at a time."""
     check_checkpoint(model, table, reader)
     tensors = megatron_tensors(model)
-    show = progress and megatron_ckpt.rank() == 0
+    show = progress and rank() == 0
     for name, target in tqdm(tensors.items(), desc="load", unit="tensor", disable=not show, leave=False):
         with torch.no_grad():
             target.copy_(hf_shard(name, target, table, reader).tensor())

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from conversion.errors import CheckpointError
+from modelzoo.conversion.errors import CheckpointError
 
 # the most a small file of a checkpoint (a config, an index, a tracker, modelzoo's own JSON) can hold
 MAX_JSON_BYTES = 64 * 2**20

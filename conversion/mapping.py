@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterable
 from functools import cached_property
 
-from conversion.errors import MappingError
-from conversion.transforms import Direct, Transform
+from modelzoo.conversion.errors import MappingError
+from modelzoo.conversion.transforms import Direct, Transform
 
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:

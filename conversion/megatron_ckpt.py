@@ -4,7 +4,7 @@
       latest_checkpointed_iteration.txt   "release"
       release/                            dist_checkpointing files: {"model": ..., "iteration": 0, ...}
       hf/                                 config.json and tokenizer files of the source checkpoint
-                                          (+ kept_scales/ of a quantised source, conversion/native.py)
+                                          (+ kept_scales/ of a quantised source, modelzoo/deepseek_v4/release/view.py)
       modelzoo.json                       architecture, dtype, TP size it was written at
 
 torch_dist stores each tensor with its global shape and this rank's slice, so a checkpoint written
@@ -26,19 +26,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conversion import safe_pickle
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_bytes, read_json
-from conversion.safetensors_io import is_int
-from conversion.staging import create_staging_folder, publish_staging_folder, write_failure
-from conversion.torch_dist_streaming import (
+from modelzoo.conversion import safe_pickle
+from modelzoo.conversion.engine import checkpoint_name_of, rank, state_dict_tensors, with_layout_of
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_bytes, read_json
+from modelzoo.conversion.safetensors_io import is_int
+from modelzoo.conversion.staging import create_staging_folder, publish_staging_folder, write_failure
+from modelzoo.conversion.torch_dist_streaming import (
     ParameterData,
     load_groups,
     original_errors,
     streaming_load_strategy,
     streaming_save_strategy,
 )
-from conversion.transforms import RowBlocks
+from modelzoo.conversion.transforms import RowBlocks
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -46,10 +47,6 @@ HF_SUBDIR = "hf"
 METADATA_FILE = "modelzoo.json"
 # an iteration number or "release", and a newline: a longer tracker is not Megatron-LM's
 MAX_TRACKER_BYTES = 64
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _broadcast(value):
@@ -241,8 +238,6 @@ def stream_weights(model: torch.nn.Module, folder: str | Path, group_bytes: int 
     The checkpoint is checked when this is called, before the first tensor is asked for (`stored`: what
     `checked_state` returned for it, when the caller has checked it already).
     """
-    from conversion.engine import checkpoint_name_of, state_dict_tensors, with_layout_of
-
     metadata = read_metadata(folder)
     state = state_folder(folder)
     stored = stored if stored is not None else safe_pickle.check_folder(state)

@@ -23,8 +23,8 @@ a folder has passed, torch and Megatron read the same bytes with their own unpic
 resolves the same globals whichever unpickler reads it, and these readers have seen every one. (The
 folder must not be rewritten meanwhile: the check reads it once, then the load reads it again.)
 modelzoo's own tensor reader (torch_dist_streaming.py) takes the metadata `check_folder` returns.
-The list names what torch pickles there, private classes included (`_StorageInfo`, `_MEM_FORMAT_ENCODING`,
-`_get_layout`): a torch that pickles others has its checkpoints refused, naming the class, until it is added.
+The list names what torch pickles there, private classes included (`modelzoo.compat.TORCH_DCP_PICKLED_GLOBALS`):
+a torch that pickles others has its checkpoints refused, naming the class, until it is added.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_bytes
-from conversion.safetensors_io import is_int
+from modelzoo.compat import TORCH_DCP_PICKLED_GLOBALS, storage_info_class
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_bytes
+from modelzoo.conversion.safetensors_io import is_int
 
 METADATA_FILE = ".metadata"
 CONFIG_FILE = "metadata.json"  # Megatron's: {"sharded_backend": "torch_dist", ...}
@@ -60,23 +61,8 @@ MAX_OBJECT_DEPTH = 100
 # torch_dist writes: each dimension split evenly) are its chunks themselves
 MAX_PIECES_PER_CHUNK = 16
 
-_DCP = "torch.distributed.checkpoint"
-METADATA_CLASSES = frozenset({
-    (f"{_DCP}.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    # the save plans Megatron's planner records in the metadata (`all_local_plans`)
-    (f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-                                           "BytesIOWriteData")
-} | {
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch's pickle of a layout: a lookup among torch's layouts by name
-    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the checkpoint's path when it was written
-} | {
-    ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)
-})
+# torch's pickled globals (modelzoo.compat), and the checkpoint's path when it was written
+METADATA_CLASSES = TORCH_DCP_PICKLED_GLOBALS | {("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")}
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -261,7 +247,6 @@ def check_folder(folder: str | os.PathLike):
 
     Returns the metadata (`torch.distributed.checkpoint.metadata.Metadata`). Raises `CheckpointError`
     (`UnsafeCheckpointError` for a pickle that needs a class outside the allow-list) naming the file."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     folder = Path(folder)
@@ -301,7 +286,7 @@ def check_folder(folder: str | os.PathLike):
             raise CheckpointError(f"{metadata_path}: entry {key} has no place in the checkpoint's files")
     file_sizes: dict[str, int] = {}
     for index, info in storage.items():
-        if (not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo)
+        if (not isinstance(index, MetadataIndex) or not isinstance(info, storage_info_class())
                 or not isinstance(info.relative_path, str) or not is_int(info.offset) or not is_int(info.length)):
             raise CheckpointError(f"{metadata_path}: a storage entry is malformed")
         name = info.relative_path

@@ -33,11 +33,11 @@ from typing import NamedTuple
 import numpy
 import torch
 
-from conversion import validation
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_json
-from conversion.staging import staged_folder
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import validation
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_json
+from modelzoo.conversion.staging import staged_folder
+from modelzoo.conversion.transforms import RowBlocks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

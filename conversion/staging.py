@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from conversion.errors import CheckpointError
+from modelzoo.conversion.errors import CheckpointError
 from modelzoo.processes import check_not_interrupted
 
 

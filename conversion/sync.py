@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from conversion.mapping import compile_pattern, fill_pattern
+from modelzoo.conversion.mapping import compile_pattern, fill_pattern
 
 Tensors = list[tuple[str, torch.Tensor]]
 
@@ -53,14 +53,6 @@ class Naming:
 
     groups: tuple[UpdateGroup, ...]
     rename: Callable[[str], str] | None = None  # exported HF name -> this naming's name; None: HF names as they are
-
-
-# DeepSeek-V3-style MLA (HF names): applies to every model whose names match. It assumes q_lora_rank
-# is set (V2-Lite-style MLA without q_a_proj loads kv_a_proj_with_mqa alone and needs its own table).
-MLA_GROUPS = (
-    UpdateGroup("fused_qkv_a_proj_with_mqa", ("model.layers.*.self_attn.q_a_proj.weight",
-                                              "model.layers.*.self_attn.kv_a_proj_with_mqa.weight")),
-)
 
 
 def adapter_groups(groups: Iterable[UpdateGroup]) -> tuple[UpdateGroup, ...]:

@@ -17,7 +17,7 @@ a reader that copies each tensor once, from a memory map of the file, where torc
 times, and no factory merge of pieces handed over unread (`merged_unless_deferred`).
 
 This is the one place where `conversion` relies on private behaviour of Megatron-Core 0.19 and torch
-(tests: tests/test_streaming_checkpoint.py):
+(tests: tests/conversion/test_streaming_checkpoint.py):
 
 | what                                                        | why                                            |
 |-------------------------------------------------------------|------------------------------------------------|
@@ -61,10 +61,10 @@ import numpy
 import torch
 from tqdm import tqdm
 
-from conversion import safe_pickle
-from conversion.errors import CheckpointError
-from conversion.safetensors_io import RegionCopier, file_bytes
-from conversion.transforms import RowBlocks
+from modelzoo.conversion import safe_pickle
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.safetensors_io import RegionCopier, file_bytes
+from modelzoo.conversion.transforms import RowBlocks
 
 
 @contextlib.contextmanager

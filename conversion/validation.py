@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from conversion.errors import CheckpointError
+from modelzoo.conversion.errors import CheckpointError
 
 # the HF names of a decoder's dimensions: a model has at least one of each
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",

@@ -30,7 +30,7 @@ import torch
 
 from modelzoo import build_provider, lora, runtime
 from modelzoo.parity import load_hf_model
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 from modelzoo.sync import WeightSync
 
 ROOT = Path(__file__).resolve().parents[1]

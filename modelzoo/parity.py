@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from conversion import engine, validation
-from conversion.files import check_files_of
-from conversion.mapping import MappingError
+from modelzoo.conversion import engine, validation
+from modelzoo.conversion.files import check_files_of
+from modelzoo.conversion.mapping import MappingError
 from modelzoo import runtime
 from modelzoo.registry import build_provider
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,37 +1,57 @@
 """Which provider serves a checkpoint: looked up by config.json's `model_type` or `architectures`.
 
-The built-in architectures are known by name and config keys without being imported: a config imports the
-code of the one architecture it names (torch, transformers' config class, the architecture's provider), and
-listing them or refusing an unknown model type imports none.
+Each provider class declares its name, model types and architectures (`ModelProvider`). The built-in ones are
+known without being imported: their declarations are read from their provider modules' source, so that a config
+imports the code of the one architecture it names (torch, transformers' config class, the architecture's
+provider), and listing them or refusing an unknown model type imports none.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conversion.files import read_json
+from modelzoo.conversion.files import read_json
 
 if TYPE_CHECKING:
     from modelzoo.provider import ModelProvider
 
+# importing one registers its provider (`register`)
+BUILTIN_PROVIDER_MODULES = ("modelzoo.deepseek_v4.provider", "modelzoo.llama.provider", "modelzoo.loopcoder.provider")
+
 
 @dataclasses.dataclass(frozen=True)
 class BuiltinArchitecture:
-    module: str                         # importing it registers the provider (`register`)
-    hf_model_types: tuple[str, ...]     # the same as its provider class's (a test compares them)
+    """A built-in provider class's declaration, as its source states it (literals only)."""
+
+    module: str
+    name: str
+    hf_model_types: tuple[str, ...]
     hf_architectures: tuple[str, ...]
+    checkpoint_formats: dict[str, str] = dataclasses.field(default_factory=dict)
+    cli_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-BUILTIN_ARCHITECTURES = {
-    "deepseek_v4": BuiltinArchitecture("modelzoo.deepseek_v4", ("deepseek_v4",), ("DeepseekV4ForCausalLM",)),
-    "llama": BuiltinArchitecture("modelzoo.llama", ("llama",), ("LlamaForCausalLM",)),
-    "loopcoder": BuiltinArchitecture("modelzoo.loopcoder.provider", ("iquestloopcoder",),
-                                     ("IQuestLoopCoderForCausalLM",)),
-}
+def declared_architecture(module: str) -> BuiltinArchitecture:
+    """The declaration of the provider class in `module` (a class of this package assigning `name`), read from its
+    source without importing it."""
+    path = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    fields = [field.name for field in dataclasses.fields(BuiltinArchitecture) if field.name != "module"]
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.ClassDef):
+            values = {target.id: ast.literal_eval(statement.value) for statement in node.body
+                      if isinstance(statement, ast.Assign) for target in statement.targets
+                      if isinstance(target, ast.Name) and target.id in fields}
+            if "name" in values:
+                return BuiltinArchitecture(module, **values)
+    raise ValueError(f"{path}: no provider class declaring `name`")
+
+
+BUILTIN_ARCHITECTURES = {entry.name: entry for entry in map(declared_architecture, BUILTIN_PROVIDER_MODULES)}
 
 _PROVIDERS: dict[str, type[ModelProvider]] = {}
 
@@ -78,7 +98,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
         hf_dir = Path(hf_dir_or_config)
         config, where = read_hf_config(hf_dir), str(hf_dir / "config.json")
     provider = provider_class(config, where)
-    from conversion.validation import check_config  # here: it imports torch, which a refused model type does without
+    from modelzoo.conversion.validation import check_config  # here: it imports torch, which a refused model type does without
 
     check_config(config, provider.hf_config_class(), where, provider.config_bounds)
     try:
@@ -89,7 +109,7 @@ def build_provider(hf_dir_or_config: str | Path | dict[str, Any], **overrides: A
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    """config.json of a checkpoint folder: a JSON object, read as `conversion.files` reads a checkpoint's files."""
+    """config.json of a checkpoint folder: a JSON object, read as `modelzoo.conversion.files` reads a checkpoint's files."""
     path = Path(folder) / "config.json"
     if not (path.exists() or path.is_symlink()):
         raise FileNotFoundError(f"{path} does not exist: is {folder} a Hugging Face checkpoint folder?")

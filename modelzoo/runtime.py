@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from modelzoo import cpu_compat
+from modelzoo import compat
 from modelzoo.processes import RankDied, RankFailed, check_not_interrupted, exception_kinds, interrupt_on_signal
 
 
@@ -84,7 +84,7 @@ def parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 123
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    cpu_compat.apply()
+    compat.apply()
     layout = ParallelLayout(tp, pp, ep, cp)
     owns_process_group = not dist.is_initialized()
     if owns_process_group:

@@ -8,24 +8,23 @@
                 engine.load_weights(chunk.tensors)                    # chunk.version / .index / .is_last
 
 Chunks never split an atomic update group (`conversion/sync.py`): the groups are data in
-`modelzoo/<architecture>/sync.py` (`NAMINGS`: engine naming -> `Naming`), plus the generic MLA table.
+`modelzoo/<architecture>/sync.py` (`NAMINGS`: engine naming -> `Naming`), declared by its provider
+(`sync_namings`).
 See docs/weight_sync.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 from collections.abc import Iterator
 
 import torch
 
-from conversion.sync import (MLA_GROUPS, GroupIndex, Naming, Tensors, adapter_groups, nbytes, pack_chunks,
+from modelzoo.conversion.sync import (GroupIndex, Naming, Tensors, adapter_groups, nbytes, pack_chunks,
                              peft_target_filter)
 from modelzoo.provider import ModelProvider
 
-NAMINGS = ("hf", "native")
 LORA_MODES = ("none", "merged", "adapter")
 
 
@@ -106,25 +105,11 @@ def iter_weight_chunks(model: torch.nn.Module, provider: ModelProvider, chunk_by
 
 
 def engine_naming(provider: ModelProvider, naming: str) -> Naming:
-    """The architecture's `Naming` from `<its package>.sync.NAMINGS`, plus the generic MLA table for "hf"."""
-    if naming not in NAMINGS:
-        raise ValueError(f"naming={naming!r} is not one of {NAMINGS}")
-    module = type(provider).__module__
-    package = sys.modules[module].__package__ or module  # a provider defined in a top-level module
-    try:
-        namings = importlib.import_module(f"{package}.sync").NAMINGS
-    except ModuleNotFoundError as error:
-        if error.name != f"{package}.sync":
-            raise
-        raise ValueError(f"{provider.name}: no update groups declared ({package}.sync is missing): a weight "
-                         "sync could split tensors an engine fuses; declare them there (docs/weight_sync.md)") from None
+    """The architecture's `Naming` called `naming` (`provider.sync_namings()`)."""
+    namings = provider.sync_namings()
     if naming not in namings:
-        raise ValueError(f"{provider.name} has no {naming!r} naming (it has {sorted(namings)}); 'native' exists only "
-                         "for architectures released under names of their own, such as DeepSeek-V4")
-    declared = namings[naming]
-    if naming == "hf":
-        return Naming(declared.groups + MLA_GROUPS, declared.rename)
-    return declared
+        raise ValueError(f"{provider.name} has no {naming!r} naming (it has {sorted(namings)})")
+    return namings[naming]
 
 
 def _renamed(tensors: Iterator[tuple[str, torch.Tensor]], naming: Naming) -> Iterator[tuple[str, torch.Tensor]]:

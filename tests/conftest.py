@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,20 +9,27 @@ from pathlib import Path
 
 import pytest
 
+from tiny_checkpoints import make_tiny as make_tiny_module
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tiny_checkpoints"
 
 
-def load_make_tiny():
-    spec = importlib.util.spec_from_file_location("make_tiny", TINY / "make_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need a CUDA device: skipped without one (the marker alone selects them, `-m gpu`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
 def make_tiny():
-    return load_make_tiny()
+    return make_tiny_module
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +50,7 @@ def tiny_with_vocab(architecture: str, folder: Path, vocab_size: int) -> Path:
     if architecture == "deepseek_v4":
         assert vocab_size == 250, "deepseek-v4-tiny has 250 tokens"
         return TINY / "deepseek-v4-tiny"
-    make_tiny = load_make_tiny()
+    make_tiny = make_tiny_module
     base, shapes = {"llama": (make_tiny.LLAMA_TINY, make_tiny.llama_shapes),
                     "loopcoder": (make_tiny.LOOPCODER_TINY, make_tiny.loopcoder_shapes)}[architecture]
     config = {**base, "vocab_size": vocab_size}

@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conversion.safetensors_io import CheckpointReader
+from modelzoo.conversion.safetensors_io import CheckpointReader
 from modelzoo import build_provider, runtime
 
 TINY = Path(__file__).resolve().parents[1] / "tiny_checkpoints"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("checkpoint", ["llama-tiny", "loopcoder-tiny", "deepseek-v4-tiny"])
 def test_a_gpu_model_saves_the_checkpoint_it_loaded_bit_exactly(tmp_path, checkpoint):
     source = TINY / checkpoint

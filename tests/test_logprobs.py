@@ -116,13 +116,11 @@ def test_kernels_match_the_plain_ops_in_triton_interpreter(run_in_triton_interpr
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_match_the_plain_ops_on_the_gpu():
     check_kernels("cuda", (torch.float32, torch.bfloat16))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_logprobs_match_log_softmax():
     logits, targets, upstream = example(batch=2, seq=300, columns=32768, vocab_size=32000, dtype=torch.bfloat16)
     expected, expected_grad = oracle(logits, targets, 32000, upstream)

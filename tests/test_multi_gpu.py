@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA devices")]
@@ -63,7 +63,7 @@ def bf16_errors(checkpoint: str, layout: str, scratch: Path) -> tuple[float, flo
     tokens of SEQUENCES, each model against itself."""
     folder = TINY / checkpoint
     if checkpoint == "deepseek-v4-tiny":
-        from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+        from tiny_checkpoints.deepseek_v4_tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 
         folder = scratch / "deepseek-v4-no-discrete-choices"
         write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, **NO_DISCRETE_CHOICES})

@@ -20,12 +20,12 @@ the mixes). Under context parallelism each rank's forward step takes its share o
 - Every rank's export at PP 2 yields every tensor of the checkpoint once (each stage's under its global layer
   number), and `provider.token_logprobs` (the forward-only schedule inside) gives the same log-probs on every rank.
 - Llama with `tie_word_embeddings` at PP 2: the last stage's head is a copy of the first stage's embedding (built on
-  the CPU through modelzoo.cpu_compat, on the meta device without the all-reduce that starts the copies equal); the
+  the CPU through modelzoo.compat, on the meta device without the all-reduce that starts the copies equal); the
   log-probs and gradients equal transformers' (the embedding's gradient is the sum of both stages' uses).
 - `provider.token_logprobs` (the forward-only schedule inside) at PP 2 x TP 2 + SP and PP 2 x CP 2 equals the HF
   log-probs on every rank; the CLI's `parity` passes at `--pp 2 --cp 2` and `--pp 2 --tp 2 --sp`.
 - LoopCoder refuses PP > 1 in one sentence (the provider and the CLI, exit 2); P2P over gloo works once
-  modelzoo.cpu_compat gives p2p_communication CPU receive buffers (tests/test_cpu_compat.py).
+  modelzoo.compat gives p2p_communication CPU receive buffers (tests/test_compat.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import torch
 from conftest import TINY, write_llama_variant
 from safetensors.torch import load_file
 
-from conversion import megatron_ckpt
-from modelzoo import build_provider, context_parallel, runtime
+from modelzoo.conversion import megatron_ckpt
+from modelzoo import build_provider, runtime
+from modelzoo.layers import context_parallel
 from modelzoo.parity import load_hf_model, logprobs_from_logits
 
 LOGPROB_TOLERANCE = 1e-5
@@ -309,7 +310,7 @@ def test_token_logprobs_with_sequence_or_context_parallel_stages_equal_transform
 
 
 def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     folder = CHECKPOINTS["deepseek_v4"]
     assert main(["import", str(folder), str(tmp_path / "megatron"), "--pp", "2"]) == 0
@@ -323,7 +324,7 @@ def test_cli_import_at_pp_2_then_export_at_pp_1_is_bit_exact(tmp_path):
 def test_cli_parity_and_logprobs_at_pp_2(tmp_path, references):
     import json
 
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "2", "--seq-len", "24", "--tolerance",
                  str(LOGPROB_TOLERANCE)]) == 0
@@ -336,7 +337,7 @@ def test_cli_parity_and_logprobs_at_pp_2(tmp_path, references):
 
 
 def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["llama"]), "--pp", "3"]) == 2
     assert "pipeline parallel size 3 must divide the 2 decoder layers" in capsys.readouterr().err
@@ -344,7 +345,7 @@ def test_cli_refuses_a_pipeline_size_that_does_not_divide_the_layers(capsys):
 
 @pytest.mark.parametrize("layout", [["--pp", "2", "--cp", "2"], ["--pp", "2", "--tp", "2", "--sp"]])
 def test_cli_parity_with_sequence_or_context_parallel_stages(layout):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(CHECKPOINTS["deepseek_v4"]), *layout, "--seq-len", "24", "--tolerance",
                  str(LOGPROB_TOLERANCE)]) == 0

@@ -13,13 +13,13 @@ import json
 
 import pytest
 import torch
-from conftest import load_make_tiny
+from tiny_checkpoints import make_tiny as make_tiny_module
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM, LlamaForCausalLM
 
-from conversion.cli import main
+from modelzoo.conversion.cli import main
 from modelzoo import build_provider, runtime
-from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+from tiny_checkpoints.deepseek_v4_tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 from modelzoo.loopcoder.hf_model import IQuestLoopCoderForCausalLM
 from modelzoo.parity import logprobs_from_logits
 
@@ -32,7 +32,7 @@ BUFFERS = ("ffn.gate.tid2eid", "ffn.gate.bias")  # DeepSeek-V4 checkpoint tensor
 
 
 def write_tiny(folder, architecture: str, tie: bool):
-    make_tiny = load_make_tiny()
+    make_tiny = make_tiny_module
     if architecture == "deepseek_v4":
         write_deepseek_v4_tiny(folder, {**DEEPSEEK_V4_TINY, "tie_word_embeddings": tie})
         return folder

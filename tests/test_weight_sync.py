@@ -19,10 +19,11 @@ from conftest import TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conversion.sync import (MLA_GROUPS, GroupIndex, UpdateGroup, UpdateGroupError, adapter_groups, nbytes,
+from modelzoo.conversion.sync import (GroupIndex, UpdateGroup, UpdateGroupError, adapter_groups, nbytes,
                              pack_chunks, peft_target_filter)
 from modelzoo import build_provider, runtime
-from modelzoo.llama import LlamaProvider
+from modelzoo.provider import ModelProvider
+from modelzoo.llama.provider import LlamaProvider
 from modelzoo.llama.sync import NAMINGS as LLAMA_NAMINGS
 from modelzoo.sync import WeightSync, engine_naming, iter_weight_chunks
 
@@ -55,10 +56,6 @@ DEEPSEEK_V4_NATIVE_ENGINE_FUSIONS = {  # SGLang: wq_a + wkv -> wqkv_a; compresso
     ".attn.wkv.weight": ".attn.wqkv_a.weight",
     ".compressor.wkv.weight": ".compressor.wkv_gate.weight",
     ".compressor.wgate.weight": ".compressor.wkv_gate.weight",
-}
-MLA_ENGINE_FUSIONS = {
-    ".self_attn.q_a_proj.weight": ".self_attn.fused_qkv_a_proj_with_mqa.weight",
-    ".self_attn.kv_a_proj_with_mqa.weight": ".self_attn.fused_qkv_a_proj_with_mqa.weight",
 }
 
 
@@ -402,27 +399,14 @@ def test_native_naming_is_refused_where_there_is_none_and_every_architecture_mus
         with pytest.raises(ValueError, match=f"{provider.name} has no 'native' naming"):
             WeightSync(provider, 1 << 20, naming="native")
 
-    class UndeclaredProvider(LlamaProvider):  # its package (this test module) has no sync.py
+    class UndeclaredProvider(LlamaProvider):  # declares no update groups: ModelProvider's sync_namings
         name = "undeclared"
+        sync_namings = classmethod(ModelProvider.sync_namings.__func__)
 
     with pytest.raises(ValueError, match="undeclared: no update groups declared"):
         WeightSync(UndeclaredProvider(tiny_models["llama-tiny"][0].hf_config), 1 << 20)
     with pytest.raises(ValueError, match="lora='fused' is not one of"):
         WeightSync(tiny_models["llama-tiny"][0], 1 << 20, lora="fused")
-
-
-def test_the_generic_mla_table_applies_to_any_model_whose_names_match(tiny_models):
-    groups = engine_naming(tiny_models["llama-tiny"][0], "hf").groups
-    assert set(MLA_GROUPS) <= set(groups)
-    # Megatron's MLA order: q_a_proj, its norm and q_b_proj come between the two halves
-    names = [f"model.layers.{n}.self_attn.{leaf}.weight" for n in range(3)
-             for leaf in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")]
-    engine = FusingEngine(MLA_ENGINE_FUSIONS)
-    for chunk, _ in pack_chunks(stream(names), GroupIndex(groups), 1):
-        engine.load_weights(chunk)
-    assert len(engine.weights) == len(names)
-    with pytest.raises(UpdateGroupError, match="missing model.layers.2.self_attn.kv_a_proj_with_mqa.weight"):
-        list(pack_chunks(stream(names[:-3]), GroupIndex(groups), 1))
 
 
 def test_adapter_tensors_travel_with_their_group_and_follow_pefts_target_rule():
@@ -463,7 +447,7 @@ def documented_deepseek_v4_table() -> dict:
 
 def deepseek_v4_exported_names() -> list[str]:
     """Names as the bridge exports them (save_pretrained's) for a sliding, a CSA (compressor + indexer) and an
-    HCA (compressor only) layer and one MTP block, in the bridge's rule order."""
+    HCA (compressor only) layer and one MTP block, in the mapping's rule order."""
     def block(prefix, compressor, indexer):
         names = [f"{prefix}.attn.{leaf}" for leaf in ("wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight",
                                                       "wo_a.weight", "wo_b.weight", "attn_sink")]
@@ -491,7 +475,7 @@ def test_the_documented_deepseek_v4_table_is_plain_data_the_machinery_accepts():
         engine.load_weights(chunk)
     assert len(engine.weights) == len(names)
     hf = namespace["NAMINGS"]["hf"]
-    exported_names = [f"model.layers.1.attn.{leaf}.weight" for leaf in (  # the bridge's (save_pretrained) names
+    exported_names = [f"model.layers.1.attn.{leaf}.weight" for leaf in (  # the mapping's (save_pretrained) names
         "wq_a", "wq_b", "wkv", "compressor.wkv", "compressor.wgate",
         "indexer.compressor.wkv", "indexer.compressor.wgate", "indexer.wq_b")]
     units = [[name for name, _ in chunk] for chunk, _ in pack_chunks(stream(exported_names), GroupIndex(hf.groups), 1)]

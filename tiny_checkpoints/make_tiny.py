@@ -1,6 +1,6 @@
 """Make the tiny random checkpoints in this folder, byte for byte reproducibly.
 
-    python tiny_checkpoints/make_tiny.py [OUT_DIR]        # default: next to this script
+    python -m tiny_checkpoints.make_tiny [OUT_DIR]        # from the repository root; default: this folder
 
 Configs are written by hand (not by a transformers version's `to_dict`) and every tensor is drawn
 from its own generator seeded by its name, so the bytes do not depend on library versions or on
@@ -10,7 +10,6 @@ with real spread, so a mapping that swaps or drops a tensor changes the logits.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import zlib
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from modelzoo.conversion.safetensors_io import ShardedWriter
+from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny, write_deepseek_v4_tiny_native
 
 HERE = Path(__file__).resolve().parent
 
@@ -112,9 +114,6 @@ def write_checkpoint(folder: Path, config: dict, shapes: dict[str, tuple[int, ..
 def write_sharded_loopcoder(folder: Path, config: dict, max_shard_bytes: int) -> tuple[int, int]:
     """A large LoopCoder-shaped bf16 checkpoint in several shards (the streaming tests, the conversion
     benchmark): random weights from one seeded generator. Returns (total bytes, largest tensor's bytes)."""
-    sys.path.insert(0, str(HERE.parent))
-    from conversion.safetensors_io import ShardedWriter
-
     generator = torch.Generator().manual_seed(0)
     largest = 0
     with ShardedWriter(folder, max_shard_bytes=max_shard_bytes) as writer:
@@ -126,32 +125,14 @@ def write_sharded_loopcoder(folder: Path, config: dict, max_shard_bytes: int) ->
     return writer.total_bytes, largest
 
 
-def _deepseek_v4_tiny_module():
-    # loaded by path: importing the modelzoo package would pull in transformers and Megatron-Core
-    path = HERE.parent / "modelzoo" / "deepseek_v4" / "tiny.py"
-    spec = importlib.util.spec_from_file_location("deepseek_v4_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _deepseek_v4_native_module():
-    sys.path.insert(0, str(HERE.parent))  # native.py imports conversion.*
-    path = HERE.parent / "modelzoo" / "deepseek_v4" / "native.py"
-    spec = importlib.util.spec_from_file_location("deepseek_v4_native", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 CHECKPOINTS = {
     "llama-tiny": lambda folder: write_checkpoint(folder, LLAMA_TINY, llama_shapes(LLAMA_TINY)),
     "loopcoder-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_TINY, loopcoder_shapes(LOOPCODER_TINY)),
     "llama-engine-tiny": lambda folder: write_checkpoint(folder, LLAMA_ENGINE_TINY, llama_shapes(LLAMA_ENGINE_TINY)),
     "loopcoder-engine-tiny": lambda folder: write_checkpoint(folder, LOOPCODER_ENGINE_TINY,
                                                              loopcoder_shapes(LOOPCODER_ENGINE_TINY)),
-    "deepseek-v4-tiny": lambda folder: _deepseek_v4_tiny_module().write_deepseek_v4_tiny(folder),
-    "deepseek-v4-tiny-native": lambda folder: _deepseek_v4_native_module().write_deepseek_v4_tiny_native(folder),
+    "deepseek-v4-tiny": write_deepseek_v4_tiny,
+    "deepseek-v4-tiny-native": write_deepseek_v4_tiny_native,
 }
 
 
@@ -159,9 +140,8 @@ def main(out_dir: Path = HERE) -> None:
     for name, write in CHECKPOINTS.items():
         write(out_dir / name)
         print(f"wrote {out_dir / name}")
-    # DeepSeek-V4.1's generator is the module beside this script (tests/deepseek_v41 checks its bytes)
-    sys.path.insert(0, str(HERE))
-    from deepseek_v41_tiny import write_deepseek_v41_tiny
+    # DeepSeek-V4.1's generator is the module beside this one (tests/deepseek_v41 checks its bytes)
+    from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny
     write_deepseek_v41_tiny(out_dir / "deepseek-v41-tiny")
     print(f"wrote {out_dir / 'deepseek-v41-tiny'}")
 

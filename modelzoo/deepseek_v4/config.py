@@ -15,11 +15,14 @@ import math
 import torch
 from transformers import DeepseekV4Config
 
-from conversion.validation import Bounds
+from modelzoo.conversion.validation import Bounds
 from modelzoo.provider import SWIGLU_RMSNORM_FIELDS
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
+# the MTP block is a sliding-window layer with a learned (non-hash) router: the release's MTP tensors have no
+# compressor/indexer and a gate bias; transformers' schema does not describe it
+MTP_LAYER_TYPE, MTP_MLP_TYPE = SLIDING, MOE
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 ROPE_TYPES = ("default", "yarn")
 
@@ -76,10 +79,6 @@ class DeepseekV4Args:
     num_mtp_layers: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False  # the output layer (main and MTP) is the embedding matrix
-    # the MTP block is a sliding-window layer with a learned (non-hash) router: the release's MTP
-    # tensors have no compressor/indexer and a gate bias; transformers' schema does not describe it
-    mtp_layer_type: str = SLIDING
-    mtp_mlp_type: str = MOE
 
     @classmethod
     def from_hf(cls, hf: DeepseekV4Config) -> DeepseekV4Args:

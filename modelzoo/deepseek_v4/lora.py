@@ -1,7 +1,7 @@
-"""LoRA targets of DeepSeek-V4 (data). Module paths as in `bridge.py`.
+"""LoRA targets of DeepSeek-V4 (data). Module paths as in `mapping.py`.
 
 Adapted by default (`all-linear`): the attention's wq_a, wq_b, wkv, wo_b and the shared expert's w1, w3, w2,
-of the decoder layers (the MTP blocks are not adapted). Accepted names: the bridge's HF (release) leaves
+of the decoder layers (the MTP blocks are not adapted). Accepted names: the mapping's HF (release) leaves
 (`wq_a`, `attn.wq_b`, `shared_experts.w1`, ...), the Megatron module names (`linear_q_down_proj`, ...) and, as
 aliases, transformers' names (`q_a_proj`, `q_b_proj`, `kv_proj`, `o_b_proj`, `gate_proj`, `up_proj`, `down_proj`).
 wq_a and wkv are replicated linears: their adapters are replicated too. `transformers=`: the module of

@@ -12,8 +12,8 @@ vLLM load V4; `native.hf_to_native` (the release-checkpoint table) maps the expo
 conversion_mapping "deepseek_v4" in tests/deepseek_v4/test_deepseek_v4_sync.py).
 """
 
-from conversion.sync import Naming, UpdateGroup
-from modelzoo.deepseek_v4.native import hf_to_native
+from modelzoo.conversion.sync import Naming, UpdateGroup
+from modelzoo.deepseek_v4.release.checkpoint import hf_to_native
 
 
 def _update_groups(layer: str, prefix: str = "") -> tuple[UpdateGroup, ...]:

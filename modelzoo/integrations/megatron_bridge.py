@@ -23,35 +23,21 @@ ours is registered in its place and a warning says so. The core package never im
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
-import sys
-import types
 from importlib.metadata import version
 
 import torch
 
-
-def _stand_in_for_transformers_attention_mask_utils() -> None:
-    """`import megatron.bridge` (0.6.2) imports `transformers.modeling_attn_mask_utils`, which transformers removed
-    after 5.12 (we need 5.24), for the vendored HF code of its Bailing model. A stand-in whose names fail when
-    called lets the import through; nothing on our architectures' path uses them."""
-    name = "transformers.modeling_attn_mask_utils"
-    if importlib.util.find_spec(name) is not None:
-        return
-
-    def removed(*args, **kwargs):
-        raise NotImplementedError(f"{name} is not in this transformers version; Megatron-Bridge's Bailing model "
-                                  "code needs transformers<=5.12")
-
-    module = types.ModuleType(name)
-    for symbol in ("AttentionMaskConverter", "_prepare_4d_attention_mask", "_prepare_4d_causal_attention_mask",
-                   "_prepare_4d_causal_attention_mask_for_sdpa"):
-        setattr(module, symbol, removed)
-    sys.modules[name] = module
+from modelzoo.compat import stand_in_module
 
 
-_stand_in_for_transformers_attention_mask_utils()
+# `import megatron.bridge` (0.6.2) imports transformers' `modeling_attn_mask_utils` (removed after 5.12; we need
+# 5.24) for the vendored HF code of its Bailing model, which nothing on our architectures' path uses
+stand_in_module("transformers.modeling_attn_mask_utils",
+                ("AttentionMaskConverter", "_prepare_4d_attention_mask", "_prepare_4d_causal_attention_mask",
+                 "_prepare_4d_causal_attention_mask_for_sdpa"),
+                "transformers.modeling_attn_mask_utils is not in this transformers version; Megatron-Bridge's Bailing "
+                "model code needs transformers<=5.12")
 
 from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge  # noqa: E402
 from megatron.bridge.models.model_provider import ModelProviderMixin  # noqa: E402
@@ -60,7 +46,7 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.utils import unwrap_model  # noqa: E402
 
 from modelzoo import build_provider, lora  # noqa: E402
-from modelzoo.deepseek_v4 import DeepseekV4Provider  # noqa: E402
+from modelzoo.deepseek_v4.provider import DeepseekV4Provider  # noqa: E402
 from modelzoo.deepseek_v4.model.model import DeepseekV4Model  # noqa: E402
 from modelzoo.loopcoder.model import LoopCoderModel  # noqa: E402
 from modelzoo.loopcoder.provider import LoopCoderProvider  # noqa: E402

@@ -1,4 +1,4 @@
-"""LoRA targets of Llama (Megatron GPTModel). Accepted names come from the weight mapping (bridge.py):
+"""LoRA targets of Llama (Megatron GPTModel). Accepted names come from the weight mapping (mapping.py):
 `q_proj` .. `down_proj` on the HF side, `linear_qkv` .. `linear_fc2` on the Megatron side, and `all-linear`.
 The fused layers are adapted as a whole (one A, B split per projection on export); `packed_as` is vLLM's name."""
 

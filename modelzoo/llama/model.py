@@ -15,15 +15,15 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from modelzoo import gpt_call, sequence_parallel
-from modelzoo.attention import CoreAttention
-from modelzoo.replicated_kv import QKVParallelLinear
+from modelzoo.layers import gpt_call, sequence_parallel
+from modelzoo.layers.attention import CoreAttention
+from modelzoo.layers.replicated_kv import QKVParallelLinear
 
 
 def llama_layer_spec(attention: str, num_kv_heads: int) -> ModuleSpec:
     """Megatron's local spec (column/row-parallel linears, torch RMSNorm) with our attention kernel, a
     linear_qkv that holds copies of the KV heads when they are fewer than the TP ranks, and norms marked for
-    sequence parallelism (modelzoo.sequence_parallel)."""
+    sequence parallelism (modelzoo.layers.sequence_parallel)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = sequence_parallel.rms_norm
     attention_modules = spec.submodules.self_attention.submodules
@@ -40,7 +40,7 @@ def llama_block_spec(config, attention: str, num_kv_heads: int) -> TransformerBl
 
 
 class LlamaGPTModel(gpt_call.GPTModelSurface, GPTModel):
-    """GPTModel whose forward reads the batch as modelzoo's models do (see modelzoo.gpt_call)."""
+    """GPTModel whose forward reads the batch as modelzoo's models do (see modelzoo.layers.gpt_call)."""
 
     vocab_size: int  # the real vocabulary (the output layer's rows past it are padding)
 

@@ -1,9 +1,9 @@
 """Llama: the tensors vLLM and SGLang fuse on load, so a weight sync sends each set in one call.
 
-Names are the HF names of `bridge.py`; Llama has no naming of its own besides them.
+Names are the HF names of `mapping.py`; Llama has no naming of its own besides them.
 """
 
-from conversion.sync import Naming, UpdateGroup
+from modelzoo.conversion.sync import Naming, UpdateGroup
 
 ATTENTION_QKV = UpdateGroup("qkv_proj", ("model.layers.*.self_attn.q_proj.weight",
                                          "model.layers.*.self_attn.k_proj.weight",

@@ -15,11 +15,11 @@ Llama tensor maps the same way; each layer adds a `loop_gate` (weight [heads, he
 Loop-1 keys and values are handed from loop 1 to loop 2 through the forward call (a local list),
 never stored on a module: they are freed with the autograd graph after backward.
 
-The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`): in packed rows and padded batches the
+The model takes Megatron-Core GPTModel's call (`modelzoo.layers.gpt_call`): in packed rows and padded batches the
 batch's `TokenLayout` keeps every attention (loop 1, loop 2's global attention over loop-1 K/V, and its
 window) inside each sequence, and RoPE follows each token's position.
 
-Under sequence parallelism (modelzoo.sequence_parallel) the norms and residuals hold this rank's tokens; the
+Under sequence parallelism (modelzoo.layers.sequence_parallel) the norms and residuals hold this rank's tokens; the
 column-parallel linear_qkv gathers the sequence, so queries, keys, the gate and loop-1 K/V are whole-sequence
 tensors of this rank's heads (the gate is sharded with them and gathers nothing).
 """
@@ -38,12 +38,12 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import divide
 from torch import Tensor
 
-from modelzoo import gpt_call, sequence_parallel
-from modelzoo.attention import attention
+from modelzoo.layers import gpt_call, sequence_parallel
+from modelzoo.layers.attention import attention
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL
-from modelzoo.recompute import full_recompute_groups, recomputed, selective_modules
-from modelzoo.replicated_kv import QKVParallelLinear
-from modelzoo.sequences import TokenLayout
+from modelzoo.layers.recompute import full_recompute_groups, recomputed, selective_modules
+from modelzoo.layers.replicated_kv import QKVParallelLinear
+from modelzoo.layers.sequences import TokenLayout
 
 LoopKV = tuple[Tensor, Tensor]  # post-RoPE loop-1 keys and values of one layer, [batch, kv_heads, seq, head_dim]
 
@@ -238,7 +238,7 @@ class LoopCoderModel(gpt_call.GPTModelSurface, MegatronModule):
                 decoder_input: Tensor | None = None, labels: Tensor | None = None, inference_context=None,
                 packed_seq_params=None, extra_block_kwargs=None, runtime_gather_output: bool | None = None, *,
                 inference_params=None, loss_mask=None, padding_mask=None, mtp_kwargs=None) -> Tensor:
-        """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [batch, seq, vocab / tp],
+        """GPTModel's call (modelzoo.layers.gpt_call): this rank's vocabulary shard of the logits [batch, seq, vocab / tp],
         or with `labels` the per-token loss [batch, seq]."""
         gpt_call.refuse_unsupported("LoopCoder", inference_context, inference_params, extra_block_kwargs)
         gpt_call.refuse_mtp_training("LoopCoder", mtp_kwargs)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from modelzoo.llama import check_llama_supported, llama_transformer_fields
-from modelzoo.loopcoder.bridge import loopcoder_mapping
+from modelzoo.llama.config import check_llama_supported, llama_transformer_fields
+from modelzoo.loopcoder.mapping import loopcoder_mapping
 from modelzoo.loopcoder.config import PIPELINE_REFUSAL, IQuestLoopCoderConfig
 from modelzoo.provider import ModelProvider
 from modelzoo.registry import register
@@ -54,6 +54,18 @@ class LoopCoderProvider(ModelProvider):
                               hf.rope_parameters["rope_theta"], hf.loop_num, hf.loop_window_size,
                               hf.num_key_value_heads, attention_impl=self.attention, train_gate=self.train_gate,
                               tie_word_embeddings=hf.tie_word_embeddings)
+
+    @classmethod
+    def lora_targets(cls):
+        from modelzoo.loopcoder.lora import LORA_TARGETS  # imports modelzoo.lora (Megatron-Core): not for reading a config
+
+        return LORA_TARGETS
+
+    @classmethod
+    def sync_namings(cls):
+        from modelzoo.loopcoder.sync import NAMINGS
+
+        return NAMINGS
 
     def mapping(self):
         hf = self.hf_config

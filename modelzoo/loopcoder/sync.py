@@ -3,7 +3,7 @@
 reload rebuilds a layer from what one call brought: a bias without its weight leaves the weight unloaded, so the
 two travel together."""
 
-from conversion.sync import Naming, UpdateGroup
+from modelzoo.conversion.sync import Naming, UpdateGroup
 from modelzoo.llama.sync import ATTENTION_QKV, MLP_GATE_UP
 
 LOOP_GATE = UpdateGroup("gate_projections.gate_proj", ("model.gate_projections.*.weight",

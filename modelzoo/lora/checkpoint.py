@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from conversion import safe_pickle, validation
-from conversion.errors import CheckpointError
-from conversion.files import confined, read_json
-from conversion.megatron_ckpt import check_stored_tensors, rank, save_sharded_state
-from conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
-from conversion.torch_dist_streaming import original_errors, streaming_load_strategy
+from modelzoo.conversion import safe_pickle, validation
+from modelzoo.conversion.errors import CheckpointError
+from modelzoo.conversion.files import confined, read_json
+from modelzoo.conversion.megatron_ckpt import check_stored_tensors, rank, save_sharded_state
+from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from modelzoo.conversion.torch_dist_streaming import original_errors, streaming_load_strategy
 from modelzoo import runtime
 from modelzoo.lora.export import NAMINGS, lora_config, save_adapter
 from modelzoo.lora.layers import LoRAConfig, adapter_parameters, apply_lora, lora_layers, sharded_like

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
-from conversion import engine, megatron_ckpt, validation
-from conversion.mapping import compile_pattern, fill_pattern
-from conversion.staging import staged_folder
+from modelzoo.conversion import engine, validation
+from modelzoo.conversion.mapping import compile_pattern, fill_pattern
+from modelzoo.conversion.staging import staged_folder
 from modelzoo.lora.layers import LoRAConfig, LoRALayer, lora_layers
-from modelzoo.lora.targets import projections, target_table
+from modelzoo.lora.targets import projections
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,7 +67,7 @@ def module_namer(provider, naming: str = "transformers") -> Callable[[str], str]
         raise ValueError(f"adapter naming {naming!r} is not one of {NAMINGS}")
     mapping = provider.mapping()
     renames = []
-    for target in target_table(provider.name).targets if naming == "transformers" else ():
+    for target in provider.lora_targets().targets if naming == "transformers" else ():
         if target.transformers is not None:
             checkpoint_modules = projections(mapping, target.module)
             if len(checkpoint_modules) != 1:
@@ -143,7 +143,7 @@ def peft_config(model: torch.nn.Module, provider, naming: str = "transformers") 
         same_leaf = {module for module in hf_modules if _leaf(module) == leaf}
         targets.update({leaf} if same_leaf <= adapted else same_leaf & adapted)
     packed = {}
-    for target in target_table(provider.name).targets:
+    for target in provider.lora_targets().targets:
         leaves = [_leaf(module) for module in projections(mapping, target.module)]
         if target.packed_as and {_leaf(module) for module in adapted} & set(leaves):
             packed[target.packed_as] = leaves
@@ -179,7 +179,7 @@ def save_adapter(model: torch.nn.Module, provider, out_dir: str | Path, naming: 
 
     out_dir = Path(out_dir)
     tensors = adapter_hf_weights(model, provider, naming)
-    if megatron_ckpt.rank() != 0:
+    if engine.rank() != 0:
         for _ in tensors:  # take part in the gathers
             pass
         return out_dir

@@ -34,10 +34,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from conversion.engine import ShardLayout
-from conversion.transforms import FusedGateUp
 from modelzoo import runtime
-from modelzoo.lora.targets import compile_module_pattern, projections, resolve, target_table, weight_rule
+from modelzoo.compat import adapt_in_place, row_parallel_local_output
+from modelzoo.conversion.engine import ShardLayout
+from modelzoo.conversion.transforms import FusedGateUp
+from modelzoo.lora.targets import compile_module_pattern, projections, resolve, weight_rule
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 
@@ -187,11 +188,8 @@ class _ColumnLoRA(LoRALayer):
 
 class _RowLoRA(LoRALayer):
     def forward(self, input_):
-        # RowParallelLinear.forward (Megatron-Core 0.19) for input_is_parallel, no sequence parallelism, no experts
-        output_parallel = self._forward_impl(
-            input=input_, weight=self.weight, bias=None, gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False, sequence_parallel=False, tp_group=None, grad_output_buffer=None,
-            gtp_remat_size=self.gtp_remat_size)
+        # RowParallelLinear.forward with the adapter's input joined to its all-reduce
+        output_parallel = row_parallel_local_output(self, input_)
         lora_in = self.lora.down(input_)
         if dist.get_world_size(self.tp_group) > 1:
             joint = tensor_parallel.reduce_from_tensor_model_parallel_region(
@@ -270,7 +268,7 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def resolve_targets(provider, names) -> dict[str, tuple[str, ...]]:
     """Module pattern -> HF projection names that LoRA would adapt for `names` (raises on refused / unknown)."""
     mapping = provider.mapping()
-    selection = resolve(target_table(provider.name), mapping, names, provider.name)
+    selection = resolve(provider.lora_targets(), mapping, names, provider.name)
     return {module: tuple(projections(mapping, module)[i].rsplit(".", 1)[-1] for i in indices)
             for module, indices in selection.items()}
 
@@ -287,7 +285,7 @@ def apply_lora(model: nn.Module, provider, config: LoRAConfig) -> list[str]:
         # checked on the model: a batch-first model's linears run on the gathered sequence and do not say so
         raise ValueError("LoRA: sequence parallelism is not supported; build the model with sequence_parallel=False")
     mapping = provider.mapping()
-    selection = resolve(target_table(provider.name), mapping, config.targets, provider.name)
+    selection = resolve(provider.lora_targets(), mapping, config.targets, provider.name)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     modules = dict(model.named_modules())
     plan = []
@@ -306,7 +304,7 @@ def apply_lora(model: nn.Module, provider, config: LoRAConfig) -> list[str]:
         mask = _output_mask(rule, selected, full_out, tp, kind)
         adapter = LoRAAdapter(kind, name, module.weight, full_out, full_in, config, selected, mask)
         adapter.B.gate_up_rows = kind == COLUMN and isinstance(rule.transform, FusedGateUp)  # see sharded_like
-        module.__class__ = _lora_class(kind, type(module))
+        adapt_in_place(module, _lora_class(kind, type(module)))
         module.lora = adapter
         if kind == COLUMN:  # the adapter's backward all-reduce carries the base layer's input gradient
             module.disable_grad_reduce, module.allreduce_dgrad = True, False

@@ -17,11 +17,10 @@ ambiguous and raises, listing the qualified names to choose from.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from collections.abc import Iterable
 
-from conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.mapping import MappingTable, Rule
 
 ALL_LINEAR = "all-linear"
 
@@ -164,19 +163,6 @@ def valid_names(table: TargetTable, mapping: MappingTable) -> list[str]:
         leaves.update(hf_module.rsplit(".", 1)[-1] for hf_module in projections(mapping, target.module))
         leaves.update(_aliases(target))
     return sorted(leaves)
-
-
-def target_table(architecture: str) -> TargetTable:
-    """`LORA_TARGETS` of `modelzoo/<architecture>/lora.py`."""
-    module_name = f"modelzoo.{architecture}.lora"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-        raise ValueError(f"LoRA has no target table for {architecture} yet (add {module_name.replace('.', '/')}.py "
-                         f"defining LORA_TARGETS)") from None
-    return module.LORA_TARGETS
 
 
 def compile_module_pattern(pattern: str) -> re.Pattern[str]:

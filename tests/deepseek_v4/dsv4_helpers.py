@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.masking_utils import create_sliding_window_causal_mask
 
-from conversion import megatron_ckpt
+from modelzoo.conversion import megatron_ckpt
 from modelzoo import runtime
-from modelzoo.deepseek_v4 import DeepseekV4Provider
-from modelzoo.deepseek_v4.tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
+from modelzoo.deepseek_v4.provider import DeepseekV4Provider
+from tiny_checkpoints.deepseek_v4_tiny import DEEPSEEK_V4_TINY, write_deepseek_v4_tiny
 
 VOCAB = DEEPSEEK_V4_TINY["vocab_size"]
 BATCH, SEQ = 2, 64

@@ -19,7 +19,7 @@ from dsv4_helpers import hf_layer_inputs, hf_model, max_diff, provider_for, rand
 
 from modelzoo import runtime
 from modelzoo.deepseek_v4.config import rope_inv_freq
-from modelzoo.sequences import plain_layout
+from modelzoo.layers.sequences import plain_layout
 
 COMPONENT_TOLERANCE = 1e-5
 SLIDING, CSA, HCA, CSA_MOE = 0, 1, 2, 3  # the tiny model's layers: attention type (+ hash MoE on 0, 1)

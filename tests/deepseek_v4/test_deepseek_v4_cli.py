@@ -5,8 +5,8 @@ import torch
 from conftest import TINY
 from safetensors.torch import load_file, save_file
 
-from conversion import quantization as q
-from conversion.cli import main
+from modelzoo.deepseek_v4.release import quantization as q
+from modelzoo.conversion.cli import main
 
 DEEPSEEK_V4 = TINY / "deepseek-v4-tiny"
 
@@ -168,7 +168,7 @@ def test_require_mtp_refuses_a_checkpoint_without_mtp(saved_by_transformers, tmp
 
 
 def test_the_provider_keyword_require_mtp(saved_by_transformers):
-    from conversion.mapping import MappingError
+    from modelzoo.conversion.mapping import MappingError
     from modelzoo import build_provider, runtime
 
     with runtime.parallel():

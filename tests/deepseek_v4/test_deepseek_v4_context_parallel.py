@@ -56,8 +56,9 @@ import torch.distributed as dist
 from conftest import TINY
 from dsv4_helpers import BUFFERS, VOCAB, hf_grads_by_name, hf_model, hf_token_logprobs, reference_mtp_logits
 
-from modelzoo import build_provider, context_parallel, runtime
-from modelzoo.sequences import pack_sequences
+from modelzoo import build_provider, runtime
+from modelzoo.layers import context_parallel
+from modelzoo.layers.sequences import pack_sequences
 
 LOGPROB_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4
@@ -470,7 +471,7 @@ def test_recorded_decisions_replay_on_each_rank(ranks):
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------
 def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     sequences = [sequence for sequence in _data()[0] if len(sequence) > 1]  # the CLI needs 2 tokens or more
     tokens = tmp_path / "tokens.json"

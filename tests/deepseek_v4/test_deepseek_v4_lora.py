@@ -178,7 +178,7 @@ def test_exported_adapter_loads_with_peft_onto_transformers_model_and_gives_our_
     from safetensors.torch import load_file
     from transformers import DeepseekV4ForCausalLM
 
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     result = run_at(2)
     assert main(["export-adapter", result["checkpoint"], str(tmp_path / "adapter")]) == 0  # default: transformers
@@ -202,7 +202,7 @@ def test_exported_adapter_loads_with_peft_onto_transformers_model_and_gives_our_
 def test_release_naming_names_the_checkpoints_weights_and_the_default_transformers_modules(run_at, tmp_path):
     from safetensors.torch import load_file
 
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     def adapted_modules(*naming) -> list[str]:
         adapter = tmp_path / "-".join(("adapter", *naming))

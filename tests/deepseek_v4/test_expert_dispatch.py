@@ -41,7 +41,7 @@ from dsv4_helpers import (
     write_tiny,
 )
 
-from conversion import megatron_ckpt
+from modelzoo.conversion import megatron_ckpt
 from modelzoo import runtime
 
 MODULE_TOLERANCE = 1e-5

@@ -15,7 +15,7 @@ from dsv4_helpers import max_diff, provider_for, random_tokens, write_tiny
 
 from modelzoo import runtime
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 FAST_TOLERANCE = 1e-4
 FAST_GRAD_TOLERANCE = 1e-4

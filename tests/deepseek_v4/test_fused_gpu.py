@@ -10,7 +10,7 @@ import torch
 from modelzoo.deepseek_v4.model.attention import normed_rotary_queries
 from modelzoo.deepseek_v4.model.hyper_connection import mixing_weights
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 # FUSED_TOLERANCE = 1e-5 of each tensor's largest magnitude (absolute below magnitude 1): the same fp32
 # formulas; fusion only reorders
@@ -40,7 +40,7 @@ def _assert_close(fused: list[torch.Tensor], eager: list[torch.Tensor]):
 
 # A model calls each function with several shapes (its layers, another model's hidden size): every
 # shape after the first is where torch's default would have compiled a kernel for symbolic sizes, whose
-# backward gave wrong gradients on the H200 (modelzoo/fused.py).
+# backward gave wrong gradients on the H200 (modelzoo/layers/fused.py).
 SHAPES = [(2, 256, 512), (2, 64, 64), (1, 128, 96)]
 
 

@@ -100,7 +100,6 @@ def test_combine_slots_forward_and_backward_against_a_per_token_loop(foreign_fra
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_combine_slots_compiled_on_gpu_against_the_loop_in_fp64():
     """The compiled bf16 kernels (forward and both gradients) against the fp64 loop, relative error at
     bf16 rounding of the results (2^-7 of the largest magnitude: inputs rounded to bf16 once, sums of
@@ -152,7 +151,6 @@ def test_grouped_linear_multiplies_each_group_by_its_own_expert():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_grouped_linear_on_gpu_matches_one_linear_per_group_forward_and_backward():
     """The bf16 grouped GEMM (torch._grouped_mm, private) against the per-group path, gradients included."""
     generator = torch.Generator().manual_seed(0)

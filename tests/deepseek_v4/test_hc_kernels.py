@@ -87,7 +87,6 @@ def test_kernels_match_the_plain_ops_in_triton_interpreter(run_in_triton_interpr
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_match_the_plain_ops_on_the_gpu():
     check("cuda", bf16=True)
 

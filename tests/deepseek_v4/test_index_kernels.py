@@ -110,7 +110,6 @@ def test_kernel_matches_the_plain_ops_in_triton_interpreter(run_in_triton_interp
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_matches_the_plain_ops_on_the_gpu():
     check("cuda", torch.float32, FP32_TOLERANCE)
     check("cuda", torch.bfloat16, TENSOR_CORE_TOLERANCE)

@@ -28,7 +28,6 @@ def test_each_rank_draws_its_own_shard(tp, ep, differ):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_values_come_from_the_forked_cuda_generator():
     """With CUDA, Megatron's tracker forks the CUDA generator: a CPU-built shard must take its values from
     that stream (what a draw on the GPU under the fork gives), and the CPU generator must not move."""

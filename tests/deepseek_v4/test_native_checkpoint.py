@@ -1,9 +1,9 @@
-"""DeepSeek-V4 release checkpoints: native names, FP8 128x128 blocks, MXFP4 experts (modelzoo/deepseek_v4/native.py).
+"""DeepSeek-V4 release checkpoints: native names, FP8 128x128 blocks, MXFP4 experts (modelzoo/deepseek_v4/release/checkpoint.py).
 
 tiny_checkpoints/deepseek-v4-tiny-native is the tiny model (q_lora_rank 144, moe_intermediate 48: dims
-that are not multiples of 128 / 32) quantised by conversion/quantization.py into the release layout,
+that are not multiples of 128 / 32) quantised by modelzoo/deepseek_v4/release/quantization.py into the release layout,
 in native names, in several shards. `dequantised` below is the same checkpoint dequantised to fp32 under
-bridge.py's HF names: the plain import path and transformers read it.
+mapping.py's HF names: the plain import path and transformers read it.
 """
 
 import json
@@ -16,10 +16,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conversion.engine import megatron_tensors
-from conversion.safetensors_io import CheckpointError, CheckpointReader
+from modelzoo.conversion.engine import megatron_tensors
+from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader
 from modelzoo import runtime
-from modelzoo.deepseek_v4 import native
+from modelzoo.deepseek_v4.release import checkpoint as native
+from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny_native
 from conftest import TINY
 
 NATIVE = TINY / "deepseek-v4-tiny-native"
@@ -55,7 +56,7 @@ def loaded(dequantised):
 
 
 def test_shipped_checkpoint_is_the_generator_output(tmp_path):
-    native.write_deepseek_v4_tiny_native(tmp_path / "again")
+    write_deepseek_v4_tiny_native(tmp_path / "again")
     shipped = sorted(p.name for p in NATIVE.iterdir())
     assert shipped == sorted(p.name for p in (tmp_path / "again").iterdir())
     assert sum(name.startswith("model-") for name in shipped) >= 3  # sharded: imports read across files
@@ -163,7 +164,7 @@ def test_export_hf_names_full_and_bf16(loaded, dequantised, tmp_path):
 def test_export_hf_names_fp8_and_float32_scales_are_kept(loaded, tmp_path):
     """A release checkpoint with float32 block scales: read, re-exported with the source's scale format (F32)."""
     source = tmp_path / "f32"
-    native.write_deepseek_v4_tiny_native(source, scale_format="f32")
+    write_deepseek_v4_tiny_native(source, scale_format="f32")
     provider, model, _ = loaded
     provider.load_hf_weights(model, source, progress=False)  # (the fixture holds the parallel state)
     native.save(provider, model, tmp_path / "out", naming="native", quantize="fp8", source_dir=source)

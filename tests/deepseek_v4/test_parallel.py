@@ -42,7 +42,7 @@ from dsv4_helpers import (
 )
 from safetensors.torch import load_file
 
-from conversion import megatron_ckpt
+from modelzoo.conversion import megatron_ckpt
 from modelzoo import runtime
 
 LOGPROB_TOLERANCE = 1e-4

@@ -16,7 +16,7 @@ from dsv4_helpers import provider_for, random_tokens, write_tiny
 
 from modelzoo import runtime
 from modelzoo.deepseek_v4.model import window_attention
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 SETTINGS = {

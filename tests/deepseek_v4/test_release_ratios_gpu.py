@@ -20,7 +20,7 @@ from dsv4_helpers import max_diff, provider_for, write_tiny
 from modelzoo import runtime
 from modelzoo.deepseek_v4.model.decisions import recording_decisions, replaying_decisions
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 RELEASE_RATIOS = dict(
     hidden_size=512, num_attention_heads=8, head_dim=128, partial_rotary_factor=0.5, q_lora_rank=256,

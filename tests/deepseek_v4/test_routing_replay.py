@@ -15,7 +15,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from modelzoo import runtime
 from modelzoo.deepseek_v4.model.decisions import recording_decisions, replaying_decisions
 from modelzoo.deepseek_v4.model.moe import RoutedExperts, Router
-from modelzoo.sequences import pack_sequences
+from modelzoo.layers.sequences import pack_sequences
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def check_kept_across_recompute(device: str) -> None:
     """keep_attention_output through the kernels: a recomputed region that keeps attention outputs runs the forward
     kernel once (the forward's output goes to the recompute) and gives the gradients of a run without recompute."""
     from modelzoo.deepseek_v4.model import sparse_attention_kernels
-    from modelzoo.recompute import ATTENTION_OUTPUT, recomputed
+    from modelzoo.layers.recompute import ATTENTION_OUTPUT, recomputed
 
     leaves, picks, window, halo, out_grad = inputs("picks over several key blocks, 16 heads", device, torch.float32)
 
@@ -107,7 +107,6 @@ def test_kernels_match_the_dense_blocks_in_triton_interpreter(run_in_triton_inte
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_match_the_dense_blocks_on_the_gpu():
     check("cuda", bf16=True)
     check_kept_across_recompute("cuda")

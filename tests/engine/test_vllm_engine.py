@@ -23,7 +23,7 @@ import torch
 from conftest import TINY
 from engine_client import ENGINE_PYTHON, NO_ENGINE, Engine
 
-from conversion.sync import GroupIndex, pack_chunks
+from modelzoo.conversion.sync import GroupIndex, pack_chunks
 from modelzoo import build_provider, lora, runtime
 from modelzoo.sync import WeightSync, engine_naming
 

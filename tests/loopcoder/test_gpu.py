@@ -15,7 +15,7 @@ import torch
 
 from modelzoo import build_provider, runtime
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 CONFIG = {
     "model_type": "iquestloopcoder", "architectures": ["IQuestLoopCoderForCausalLM"],

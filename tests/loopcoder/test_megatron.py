@@ -187,7 +187,7 @@ def test_unsupported_layouts_are_refused(overrides, message):
 def test_cli_round_trip_is_bit_exact(tmp_path, tp):
     from safetensors.torch import load_file
 
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["import", str(LOOPCODER), str(tmp_path / "megatron"), "--tp", str(tp)]) == 0
     # export at the other TP size: the torch_dist checkpoint must reshard (gates by heads too)
@@ -198,6 +198,6 @@ def test_cli_round_trip_is_bit_exact(tmp_path, tp):
 
 
 def test_cli_parity_at_tp2_passes():
-    from conversion.cli import main
+    from modelzoo.conversion.cli import main
 
     assert main(["parity", str(LOOPCODER), "--tp", "2", "--seq-len", "48"]) == 0

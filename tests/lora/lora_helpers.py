@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from conversion.engine import ShardLayout
+from modelzoo.conversion.engine import ShardLayout
 from modelzoo import build_provider, lora, runtime
 from modelzoo.parity import logprobs_from_logits
 

@@ -98,7 +98,7 @@ def test_export_adapter_from_a_tp2_checkpoint_at_tp1_reproduces_the_tp2_adapter(
     if through == "api":
         export_adapter(workdir / "loopcoder-tp2-checkpoint", tmp_path / "adapter", tp=1)
     else:
-        from conversion.cli import main
+        from modelzoo.conversion.cli import main
 
         assert main(["export-adapter", str(workdir / "loopcoder-tp2-checkpoint"), str(tmp_path / "adapter")]) == 0
     direct = workdir / "loopcoder-tp2-adapter"

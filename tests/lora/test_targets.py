@@ -3,8 +3,8 @@
 import pytest
 from lora_helpers import CHECKPOINTS
 
-from conversion.mapping import MappingTable, Rule
-from conversion.transforms import Stack
+from modelzoo.conversion.mapping import MappingTable, Rule
+from modelzoo.conversion.transforms import Stack
 from modelzoo import build_provider, runtime
 from modelzoo.lora import LoRAConfig, Refusal, Target, TargetTable, apply_lora, lora_layers, resolve_targets
 from modelzoo.lora.targets import resolve

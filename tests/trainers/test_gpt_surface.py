@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import TINY, tiny_with_vocab
 
-from modelzoo import build_provider, gpt_call, runtime
+from modelzoo import build_provider, runtime
+from modelzoo.layers import gpt_call
 from modelzoo.parity import load_hf_model
 
 ARCHITECTURES = ("llama", "loopcoder", "deepseek_v4")

@@ -236,7 +236,7 @@ def _replay_case(hf_dir: str) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from modelzoo import context_parallel
+    from modelzoo.layers import context_parallel
 
     provider, model = build(hf_dir, moe_enable_routing_replay=True,
                             sequence_parallel=mpu.get_tensor_model_parallel_world_size() > 1)

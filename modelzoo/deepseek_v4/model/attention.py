@@ -23,10 +23,11 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from modelzoo.attention import visible_keys
-from modelzoo.context_parallel import gather_in_row_order, gather_keys
-from modelzoo.deepseek_v4.config import SLIDING, DeepseekV4Args
-from modelzoo.deepseek_v4.model.compressor import COMPRESSORS, CompressedVisibility, runs_of_sequence
+from modelzoo.layers.attention import visible_keys
+from modelzoo.layers.context_parallel import gather_in_row_order, gather_keys
+from modelzoo.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Args
+from modelzoo.deepseek_v4.model.compressor import CompressedVisibility, CSACompressor, HCACompressor, runs_of_sequence
+from modelzoo.deepseek_v4.model.indexer import Indexer
 from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
@@ -38,9 +39,9 @@ from modelzoo.deepseek_v4.model.layers import (
     mark_tensor_parallel,
     unweighted_rms_norm,
 )
-from modelzoo.fused import fused
-from modelzoo.recompute import recomputed
-from modelzoo.sequences import TokenLayout, plain_layout
+from modelzoo.layers.fused import fused
+from modelzoo.layers.recompute import recomputed
+from modelzoo.layers.sequences import TokenLayout, plain_layout
 
 ATTENTION_IMPLEMENTATIONS = ("exact", "fast")
 
@@ -148,7 +149,8 @@ class DeepseekV4Attention(nn.Module):
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
         self.sinks = mark_tensor_parallel(fp32_param(heads // tp, fill=0.0), dim=0)
         self.rotary = RotaryTable(*args.rope_table(args.rope_kind(layer_type)))
-        self.compressor = None if layer_type == SLIDING else COMPRESSORS[layer_type](config, args)
+        self.compressor = (CSACompressor(config, args, Indexer) if layer_type == CSA else
+                           HCACompressor(config, args) if layer_type == HCA else None)
         self.recompute_core = recompute_core  # selective recompute "core_attn"
 
     def attend_each_sequence(self, q: torch.Tensor, kv: torch.Tensor, compressed: CompressedVisibility | None,
@@ -229,7 +231,7 @@ class DeepseekV4Attention(nn.Module):
                 layout: TokenLayout | None = None) -> torch.Tensor:
         """hidden_states [B, S, hidden] (replicated over TP) -> [B, S, hidden] (all-reduced).
 
-        position_ids [B|1, S]: RoPE positions; `layout`: which tokens form each sequence (modelzoo.sequences),
+        position_ids [B|1, S]: RoPE positions; `layout`: which tokens form each sequence (modelzoo.layers.sequences),
         None for plain rows."""
         batch, seq_len, _ = hidden_states.shape
         if layout is None:

@@ -25,10 +25,10 @@ from torch import nn
 
 from modelzoo.deepseek_v4.config import CSA, HCA, DeepseekV4Args
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, RotaryTable, apply_rotary, fp32_param
-from modelzoo.context_parallel import gather_in_row_order
-from modelzoo.fused import fused
-from modelzoo.recompute import kept_for_recompute
-from modelzoo.sequences import TokenLayout, plain_layout
+from modelzoo.layers.context_parallel import gather_in_row_order
+from modelzoo.layers.fused import fused
+from modelzoo.layers.recompute import kept_for_recompute
+from modelzoo.layers.sequences import TokenLayout, plain_layout
 
 
 @dataclasses.dataclass(eq=False)
@@ -232,11 +232,11 @@ class CSACompressor(_Compressor):
 
     overlap = True
 
-    def __init__(self, config, args: DeepseekV4Args):
-        from modelzoo.deepseek_v4.model.indexer import Indexer
-
+    def __init__(self, config, args: DeepseekV4Args, indexer_class: type[nn.Module]):
+        # `indexer_class`: the Lightning Indexer (indexer.py), which reads this module's windows: passed in, so
+        # that this module does not import the one that imports it
         super().__init__(config, args, args.compress_rates[CSA], args.head_dim)
-        self.indexer = Indexer(config, args)
+        self.indexer = indexer_class(config, args)
 
     def forward(self, hidden_states, q_residual, position_ids, layout: TokenLayout | None = None):
         """-> compressed entries [B, 1, E, D] and the indexer's picks per query (layout None: plain rows)."""
@@ -247,5 +247,3 @@ class CSACompressor(_Compressor):
         picks = kept_for_recompute(lambda: self.indexer(hidden_states, q_residual, position_ids, layout, windows))
         return compressed_kv, CompressedVisibility(windows, picks)
 
-
-COMPRESSORS = {CSA: CSACompressor, HCA: HCACompressor}

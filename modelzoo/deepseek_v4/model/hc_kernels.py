@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from modelzoo.deepseek_v4.model.layers import inverse_rms, linear_fp32, linear_fp32_weight_grad
-from modelzoo.fused import fused
+from modelzoo.layers.fused import fused
 
 BLOCK_HIDDEN = 512     # hidden columns per program of the per-token kernels
 BLOCK_MATRICES = 16    # tokens' N x N matrices per program of the Sinkhorn kernels

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from modelzoo.deepseek_v4.model.layers import fp32_param, inverse_rms, linear_fp32
-from modelzoo.fused import fused
+from modelzoo.layers.fused import fused
 
 
 class HyperConnection(nn.Module):

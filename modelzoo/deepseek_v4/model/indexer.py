@@ -33,8 +33,8 @@ from modelzoo.deepseek_v4.model.layers import (
     fp32_param,
     matmul_fp32,
 )
-from modelzoo.fused import fused
-from modelzoo.sequences import TokenLayout, plain_layout
+from modelzoo.layers.fused import fused
+from modelzoo.layers.sequences import TokenLayout, plain_layout
 
 
 def index_scores(q: torch.Tensor, compressed: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float,

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelzoo.fused import fused
+from modelzoo.layers import sequence_parallel
+from modelzoo.layers.fused import fused
 from modelzoo.provider import keep_fp32
 
 
@@ -207,3 +208,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueez
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     rotated = ((rope.float() * cos) + (_rotate_half(rope).float() * sin)).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def per_token(module: nn.Module, config) -> nn.Module:
+    """A module that acts on each token alone: under sequence parallelism on this rank's tokens only."""
+    return sequence_parallel.mark_sequence_parallel(module, config)

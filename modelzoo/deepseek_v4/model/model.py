@@ -7,14 +7,14 @@
 
 Tensors are batch-first [B, S, ...] throughout, like transformers, so that the parity path runs
 the same ops in the same order. Module names follow Megatron's (embedding / decoder / output_layer,
-linear_q_down_proj, linear_proj, pre_mlp_layernorm, ...); bridge.py maps them to the HF names.
+linear_q_down_proj, linear_proj, pre_mlp_layernorm, ...); mapping.py maps them to the HF names.
 
-The model takes Megatron-Core GPTModel's call (`modelzoo.gpt_call`). In packed rows and padded batches the
+The model takes Megatron-Core GPTModel's call (`modelzoo.layers.gpt_call`). In packed rows and padded batches the
 batch's `TokenLayout` keeps each sequence to itself: its sliding window, its own compressor windows (no
 compressed entry mixes two sequences; a last partial window makes no entry, as for a sequence's end), the
 indexer's top-k among its own entries, MTP targets shifted within it; padding tokens go to no expert.
 
-Sequence parallelism (modelzoo.sequence_parallel) splits S (dim 1 here, not Megatron's dim 0): the embedding is
+Sequence parallelism (modelzoo.layers.sequence_parallel) splits S (dim 1 here, not Megatron's dim 0): the embedding is
 reduce-scattered to this rank's S / tp tokens, and the hyper-connection streams, their maps, the norms and the
 hyper head act on them alone (their parameters are marked `sequence_parallel`: Megatron's finalize_model_grads sums
 their gradients over TP). Attention needs the whole sequence and the MoE block runs its experts' TP shards on
@@ -31,16 +31,18 @@ from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from modelzoo import gpt_call, sequence_parallel
-from modelzoo.cuda_graphs import LayerGraphs
+from modelzoo.compat import share_embedding_across_stages
+from modelzoo.layers import gpt_call, sequence_parallel
+from modelzoo.layers.cuda_graphs import LayerGraphs
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.attention import DeepseekV4Attention
 from modelzoo.deepseek_v4.model.decisions import deciding
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, HyperHead, hc_residual
-from modelzoo.deepseek_v4.model.layers import RMSNorm
+from modelzoo.deepseek_v4.model.layers import RMSNorm, per_token
 from modelzoo.deepseek_v4.model.moe import DeepseekV4MoE
-from modelzoo.recompute import ATTENTION_OUTPUT, full_recompute_groups, recomputed, selective_modules
-from modelzoo.sequences import TokenLayout, plain_layout
+from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP, mtp_loss
+from modelzoo.layers.recompute import ATTENTION_OUTPUT, full_recompute_groups, recomputed, selective_modules
+from modelzoo.layers.sequences import TokenLayout, plain_layout
 
 # recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
 SELECTIVE_RECOMPUTE = {
@@ -53,11 +55,6 @@ SELECTIVE_RECOMPUTE = {
 def hyper_connection(config, args: DeepseekV4Args) -> HyperConnection:
     return HyperConnection(args.hidden_size, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps,
                            config.init_method_std)
-
-
-def per_token(module: nn.Module, config) -> nn.Module:
-    """A module that acts on each token alone: under sequence parallelism on this rank's tokens only."""
-    return sequence_parallel.mark_sequence_parallel(module, config)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -163,8 +160,6 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
                  build_mtp: bool = True, mtp_loss_scale: float = 0.0, pre_process: bool = True,
                  post_process: bool = True, keep_attention_output: bool = False):
         super().__init__(config=config)
-        from modelzoo.deepseek_v4.model.mtp import DeepseekV4MTP
-
         self.args, self.hc_mult, self.mtp_loss_scale = args, args.hc_mult, mtp_loss_scale
         self.pre_process, self.post_process = pre_process, post_process
         # GPTModel's attributes, which trainers read (vocab_size: the real vocabulary, as modelzoo's other models)
@@ -188,7 +183,7 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
                 args.hidden_size, padded_vocab_size, config=sequence_parallel.whole_sequence_config(config),
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_weight_param_allocation=args.tie_word_embeddings)
-            self.mtp = DeepseekV4MTP(config, args, attention, num_mtp_layers)
+            self.mtp = DeepseekV4MTP(config, args, DeepseekV4DecoderLayer, attention, num_mtp_layers)
         if args.tie_word_embeddings and pre_process and post_process:
             # one weight used twice on this stage: with gradient-accumulation fusion the output layer adds its
             # gradient to main_grad itself, and Megatron's DDP must then add a zero, not garbage (LanguageModule)
@@ -209,30 +204,18 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
         return self.embedding.word_embeddings.weight if hasattr(self, "embedding") else None
 
     def _share_embedding_across_stages(self) -> None:
-        """As LanguageModule.setup_embeddings_and_output_layer: the first and last stages' embeddings are one
-        weight, marked `shared_embedding`; the last stage's copy starts from the first stage's values (zeros
-        all-reduced over Megatron's embedding group)."""
-        from megatron.core import parallel_state
-
-        weight = self.shared_embedding_or_output_weight()
-        if weight is None:
-            return
-        weight.shared_embedding = True
-        if not self.pre_process:
-            weight.shared = True
-            with torch.no_grad():
-                weight.zero_()
-        if not self.config.init_model_with_meta_device and parallel_state.is_rank_in_embedding_group():
-            torch.distributed.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+        """The first and last stages' embeddings are one weight, as in Megatron's LanguageModule."""
+        share_embedding_across_stages(self.shared_embedding_or_output_weight(), self.pre_process,
+                                      self.config.init_model_with_meta_device)
 
     def capture_cuda_graphs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> None:
         """Capture the decoder layers' forward and backward as two CUDA graphs for inputs of this shape.
 
         Later forwards with inputs of the same shape (and training mode) replay them: one launch per
         pass instead of thousands. A parameter's `.grad` made by a graphed backward is the graph's
-        buffer (see `modelzoo.cuda_graphs`). Other shapes, and forwards that record or replay decisions,
+        buffer (see `modelzoo.layers.cuda_graphs`). Other shapes, and forwards that record or replay decisions,
         run eagerly. Each forward with gradients must have its backward before the next forward (see
-        `modelzoo.cuda_graphs`). Needs bf16 on a GPU and no host synchronisation inside a layer, so
+        `modelzoo.layers.cuda_graphs`). Needs bf16 on a GPU and no host synchronisation inside a layer, so
         expert-parallel size 1 (the expert-parallel dispatcher sizes its groups on the host). Measured
         and tested at tensor-parallel size 1 only.
         """
@@ -277,7 +260,7 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
             make_tp_sharded_tensor_for_checkpoint,
         )
 
-        from conversion.engine import checkpoint_name_of
+        from modelzoo.conversion.engine import checkpoint_name_of
 
         if sharded_offsets:
             raise NotImplementedError("DeepSeek-V4: virtual pipeline (prepended) checkpoint offsets are not supported")
@@ -318,7 +301,7 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
 
     def logits(self, streams: torch.Tensor, hc_head: HyperHead, final_layernorm: RMSNorm,
                detach_head: bool = False) -> torch.Tensor:
-        """This rank's vocabulary shard of the logits, the padded columns masked (modelzoo.gpt_call);
+        """This rank's vocabulary shard of the logits, the padded columns masked (modelzoo.layers.gpt_call);
         `detach_head`: no gradient reaches the output layer's (or tied embedding's) weight."""
         weight = self.embedding.word_embeddings.weight if self.args.tie_word_embeddings else None
         if detach_head:
@@ -349,7 +332,7 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
                 extra_block_kwargs=None, runtime_gather_output: bool | None = None, *, inference_params=None,
                 loss_mask: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
                 mtp_kwargs: dict | None = None, return_mtp: bool = False):
-        """GPTModel's call (modelzoo.gpt_call): this rank's vocabulary shard of the logits [B, S, V_padded / tp],
+        """GPTModel's call (modelzoo.layers.gpt_call): this rank's vocabulary shard of the logits [B, S, V_padded / tp],
         or with `labels` the per-token loss [B, S] (plus, through the backward, `mtp_loss_scale` x the MTP loss,
         as Megatron's GPTModel adds it). `padding_mask` [B, S] (True = padding) keeps tokens from the experts.
 
@@ -395,7 +378,6 @@ class DeepseekV4Model(gpt_call.GPTModelSurface, MegatronModule):
         if mtp_trains:
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-            from modelzoo.deepseek_v4.model.mtp import mtp_loss
 
             targets = input_ids if mtp_labels is None else mtp_labels
             output = MTPLossAutoScaler.apply(output, self.mtp_loss_scale * mtp_loss(

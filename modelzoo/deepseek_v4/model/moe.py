@@ -32,7 +32,7 @@ from torch import nn
 from modelzoo.deepseek_v4.config import HASH_MOE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.decisions import Decider
 from modelzoo.deepseek_v4.model.layers import init_sharded
-from modelzoo.fused import fused
+from modelzoo.layers.fused import fused
 
 SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelzoo.deepseek_v4.config import DeepseekV4Args
+from modelzoo.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE, DeepseekV4Args
 from modelzoo.deepseek_v4.model.hyper_connection import HyperHead
-from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
-from modelzoo import context_parallel
-from modelzoo.context_parallel import gather_in_row_order
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, per_token
+from modelzoo.layers import context_parallel
+from modelzoo.layers.context_parallel import gather_in_row_order
 from modelzoo.logprobs import vocab_parallel_logprobs
-from modelzoo.sequences import TokenLayout, plain_layout
+from modelzoo.layers.sequences import TokenLayout, plain_layout
 
 
 def shifted_in_sequences(input_ids: torch.Tensor, layout: TokenLayout, k: int, fill: int = 0):
@@ -51,16 +51,14 @@ def shift_left(input_ids: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
 
 
 class DeepseekV4MTPLayer(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact"):
+    def __init__(self, config, args: DeepseekV4Args, decoder_layer_class: type[nn.Module], attention: str = "exact"):
         super().__init__()
-        from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer, per_token
-
         hidden = args.hidden_size
         self.enorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
         self.hnorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
         self.e_proj = per_token(ReplicatedLinear(hidden, hidden, config), config)
         self.h_proj = per_token(ReplicatedLinear(hidden, hidden, config), config)
-        self.block = DeepseekV4DecoderLayer(config, args, args.mtp_layer_type, args.mtp_mlp_type, attention)
+        self.block = decoder_layer_class(config, args, MTP_LAYER_TYPE, MTP_MLP_TYPE, attention)
         self.hc_head = per_token(HyperHead(hidden, args.hc_mult, args.hc_eps, args.rms_norm_eps,
                                            config.init_method_std), config)
         self.final_layernorm = per_token(RMSNorm(hidden, args.rms_norm_eps), config)
@@ -76,10 +74,14 @@ class DeepseekV4MTPLayer(nn.Module):
 
 
 class DeepseekV4MTP(nn.Module):
-    def __init__(self, config, args: DeepseekV4Args, attention: str = "exact", num_layers: int | None = None):
+    def __init__(self, config, args: DeepseekV4Args, decoder_layer_class: type[nn.Module], attention: str = "exact",
+                 num_layers: int | None = None):
+        """`decoder_layer_class`: the main model's decoder layer (model.py), each MTP layer's block: passed in, so
+        that this module does not import the one that imports it."""
         super().__init__()
         num_layers = args.num_mtp_layers if num_layers is None else num_layers
-        self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, attention) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DeepseekV4MTPLayer(config, args, decoder_layer_class, attention)
+                                    for _ in range(num_layers))
         for number, layer in enumerate(self.layers, start=1):  # Megatron numbers the MTP layers' own layers 1, 2, ...
             layer.block.mlp.router.set_layer_number(number)
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from modelzoo.deepseek_v4.model.hc_kernels import INTERPRETED
-from modelzoo.recompute import ATTENTION_OUTPUT, kept_for_recompute
+from modelzoo.layers.recompute import ATTENTION_OUTPUT, kept_for_recompute
 
 # key rows per block (the candidates timed on a GPU, the first one under the interpreter) and warps per program
 KEY_BLOCKS = [16, 32, 64]

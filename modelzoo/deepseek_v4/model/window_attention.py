@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from modelzoo.attention import in_window
+from modelzoo.layers.attention import in_window
 from modelzoo.deepseek_v4.model.layers import matmul_fp32
-from modelzoo.fused import fused
-from modelzoo.recompute import ATTENTION_OUTPUT, kept_for_recompute
+from modelzoo.layers.fused import fused
+from modelzoo.layers.recompute import ATTENTION_OUTPUT, kept_for_recompute
 
 SCORE_BUDGET = 2**27   # score elements per chunk of queries (512 MiB in fp32)
 ENTRY_BUCKETS = 4      # distinct counts of compressed entries the chunks of one call score against

@@ -1,0 +1,2 @@
+"""Architecture-agnostic HF <-> Megatron conversion engine and the `modelzoo` command (installed as
+`modelzoo.conversion`)."""

@@ -1,0 +1,1 @@
+"""The tiny random checkpoints' deterministic generators (test fixtures; not installed with modelzoo)."""
