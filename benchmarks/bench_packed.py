@@ -9,7 +9,8 @@ summed per-token loss (the GPTModel call with `labels`), fast attention, three w
 - unpacked: one plain sequence with as many tokens as the samples have;
 - padded: the samples right-padded to the longest, with a [b, 1, 1, s] padding mask, in micro-batches of
   `--padded-micro-batch` rows (a trainer's micro-batches; all 16 rows at once do not fit);
-each timed as the mean of `--steps` steps after one warm-up step. The figure is real (sample) tokens per second.
+each timed as the mean of `--steps` steps after one warm-up step, with torch.compile's caches emptied before it (a
+form's kernels compile for its shapes, not fall back to eager past the recompile limit another form used up). The figure is real (sample) tokens per second.
 Models: LoopCoder at the dense benchmark's config (hidden 2048, 16 layers, both loops) with full activation
 recompute (one layer per checkpoint: at 64k tokens it does not fit without), and DeepSeek-V4 at the `small`
 config of bench_deepseek_v4.py (release attention ratios), no recompute. Peak memory is `max_memory_reserved`.
@@ -146,6 +147,7 @@ def main() -> None:
             for form, batches in (("packed", packed_batches(samples)),
                                   ("unpacked", unpacked_batches(real_tokens, vocab)),
                                   ("padded", padded_batches(samples, args.padded_micro_batch))):
+                torch._dynamo.reset()  # each form compiles for its own shapes, whatever ran before it
                 results[form] = measure(training_step(model, batches), args.steps)
                 if "seconds_per_step" in results[form]:
                     results[form]["real_tokens_per_s"] = real_tokens / results[form]["seconds_per_step"]

@@ -524,12 +524,15 @@ same code runs on CPU ranks (gloo) in `tests/test_benchmarks.py`."""
 
 def packed(res: Results) -> str:
     name = "packed_h100"
-    run = res.run(name)
     rows = []
     labels = {"loopcoder": "LoopCoder (full recompute)", "deepseek_v4": "DeepSeek-V4 `small`"}
     forms = {"packed": "**packed**", "unpacked": "unpacked (one sequence)", "padded": "padded (micro-batch 1)"}
+    # each model's latest run (`--models` runs one of them)
+    latest = {model: [run for run in res.files[name] if model in run["models"]][-1] for model in labels}
+    run = latest["loopcoder"]
     for model, label in labels.items():
-        results = run["models"][model]
+        results = latest[model]["models"][model]
+        label = f"{label} {res.cite(name, latest[model])}"
         for form, form_label in forms.items():
             r = results[form]
             versus = "1.00" if form == "packed" else f"**{results[f'packed_vs_{form}']:.2f}**"
@@ -538,15 +541,16 @@ def packed(res: Results) -> str:
                          f"{r['peak_reserved_gib']:.1f}", f"{r['first_step_s']:.1f}"])
     lengths, real = run["lengths"], run["real_tokens"]
     slots = max(lengths) * len(lengths)
-    deepseek_packed = run["models"]["deepseek_v4"]["packed"]
+    deepseek_packed = latest["deepseek_v4"]["models"]["deepseek_v4"]["packed"]
     return f"""## Packed sequences
-`python3 benchmarks/bench_packed.py` {res.cite(name, run)}, one {gpu(run)}:
+`python3 benchmarks/bench_packed.py [--models M]`, one {gpu(run)}, each model's latest run:
 
 {table(["model", "form", "s/step", "real tokens/s", "packed vs this form", "peak reserved GiB", "first step s"], rows)}
 
 The samples: {len(lengths)}, lengths log-uniform in [256, 16384] (seed 10): {real:,} real tokens, {min(lengths):,} to
 {max(lengths):,} per sample. bf16, forward + backward of the summed per-token loss through the GPTModel call with
-`labels`, `attention="fast"`, {run['steps']} timed steps after one untimed step. The three forms carry the same tokens:
+`labels`, `attention="fast"`, {' and '.join(sorted({str(r['steps']) for r in latest.values()}))} timed steps (each run's
+`--steps`) after one untimed step. The three forms carry the same tokens:
 - packed: the samples in one row with `packed_seq_params` (THD; each sample's slot padded to a multiple of 128);
   each sample attends only to itself;
 - unpacked: one plain causal sequence of {real:,} tokens (what a trainer without packing support would run for the
@@ -569,7 +573,8 @@ What limits it, and what would move it:
 
 def conversion(res: Results) -> str:
     held_name, own_name = "conversion_cpu_page_reporting_held_off", "conversion_cpu"
-    held, own = res.run(held_name), res.run(own_name)
+    held, own = res.run(held_name), res.run(own_name, command_lacks="--against")
+    against = res.run(own_name, "--against")
     labels = {"modelzoo import": "`modelzoo import` (HF -> torch_dist, bf16, TP 1)",
               "modelzoo export": "`modelzoo export` (torch_dist -> HF)",
               "export from memory": "export from memory (no kernel-side copies)"}
@@ -635,7 +640,11 @@ What limits it, and what would move it:
   process, where the baseline command takes {cli_imp['baseline_seconds'] - imp['baseline_seconds']:.1f} s more than its
   in-process copy: the command's start-up, chiefly importing Megatron-Core, transformers' modeling code and torch's
   distributed-checkpoint machinery. It does not grow with the checkpoint. See "CLI start-up".
-- Not measured here: TP > 1, DeepSeek-V4's quantised formats, a checkpoint of real size."""
+- Not measured here: TP > 1, DeepSeek-V4's quantised formats, a checkpoint of real size.
+
+`--against CHECKOUT` times another commit's in-process import and export in the same run, each right after ours on
+the same files, and divides our ratio to the baseline by theirs: against {against['against']['commit']}
+{res.cite(own_name, against)}, {', '.join(f"{step} {ratio:.2f}x" for step, ratio in against['against']['time_vs_against'].items())}."""
 
 
 def cli_startup(res: Results) -> str:

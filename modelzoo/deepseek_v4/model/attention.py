@@ -161,24 +161,39 @@ class DeepseekV4Attention(nn.Module):
 
         Under context parallelism kv holds the whole rows (every rank's tokens in row order, then the entries) and
         a sequence's queries here are runs of consecutive positions (its chunks on this rank): each run attends
-        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence."""
+        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence.
+
+        Every run's queries and keys are gathered by one index_select each and the outputs placed by one
+        index_copy: slicing them run by run would make each run's backward write a gradient the size of the whole
+        batch (a packed row of 16 sequences spent more time on those than on its attention)."""
         whole = layout.whole_rows()
-        keys_len = whole.shape[1]
+        batch, seq_len, keys_len = q.shape[0], q.shape[1], whole.shape[1]
+        kv_len = kv.shape[1]
         spans = compressed.windows.per_sequence(whole) if compressed is not None else None
-        out = torch.zeros_like(q)
+        runs, query_index, key_index = [], [], []
         for number, (row, start, length) in enumerate(whole.sequences):
             for first, position, count in runs_of_sequence(layout, row, start, length):
                 halo = min(position, self.sliding_window - 1)
-                keys, picks, ratio = kv[row:row + 1, start + position - halo:start + position + count], None, None
+                query_index.append(torch.arange(count) + row * seq_len + first)
+                key_index.append(torch.arange(start + position - halo, start + position + count) + row * kv_len)
+                picks, ratio, keys = None, None, count + halo
                 if compressed is not None:
                     first_entry, entries = spans[number]
-                    own = kv[row:row + 1, keys_len + first_entry:keys_len + first_entry + entries]
-                    keys = torch.cat([keys, own], dim=1)
+                    key_index.append(torch.arange(entries) + row * kv_len + keys_len + first_entry)
                     picks, ratio = compressed.of_sequence(row, first, count, first_entry)
-                out[row, first:first + count] = window_sink_attention(
-                    q[row:row + 1, first:first + count], keys, self.sinks, self.scaling, self.sliding_window, picks,
-                    ratio, position, halo)[0]
-        return out
+                    keys += entries
+                runs.append((count, keys, picks, ratio, position, halo))
+        if not runs:
+            return torch.zeros_like(q)
+        query_index = torch.cat(query_index).to(q.device, non_blocking=True)
+        key_index = torch.cat(key_index).to(q.device, non_blocking=True)
+        queries = q.flatten(0, 1).index_select(0, query_index).split([run[0] for run in runs])
+        keys = kv.flatten(0, 1).index_select(0, key_index).split([run[1] for run in runs])
+        outputs = [window_sink_attention(run_queries[None], run_keys[None], self.sinks, self.scaling,
+                                         self.sliding_window, picks, ratio, position, halo)[0]
+                   for run_queries, run_keys, (_, _, picks, ratio, position, halo) in zip(queries, keys, runs)]
+        out = q.new_zeros(batch * seq_len, *q.shape[2:]).index_copy(0, query_index, torch.cat(outputs))
+        return out.view_as(q)
 
     def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
               position_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
