@@ -246,11 +246,14 @@ def _architecture_options(args, passed_to: str) -> dict:
 
 
 def _declared_cli_options() -> dict[str, dict]:
-    """flag -> its declaration (the first architecture's), with "architectures": those declaring it."""
+    """flag -> its declaration (the first architecture's), with "architectures": those declaring it, and "helps":
+    architecture -> its help text."""
     options: dict[str, dict] = {}
     for entry in BUILTIN_ARCHITECTURES.values():
         for flag, option in entry.cli_options.items():
-            options.setdefault(flag, {**option, "architectures": []})["architectures"].append(entry.name)
+            declared = options.setdefault(flag, {**option, "architectures": [], "helps": {}})
+            declared["architectures"].append(entry.name)
+            declared["helps"][entry.name] = option["help"]
     return options
 
 
@@ -395,9 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
         if dtype:
             sub.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
-    formats = {name: f"{name} ({entry.name}): {text}" for entry in BUILTIN_ARCHITECTURES.values()
-               for name, text in entry.checkpoint_formats.items()}
-    formats_help = "; ".join(["hf: the Hugging Face checkpoint's names", *formats.values()])
+    formats: dict[str, list[str]] = {}  # a format several architectures declare: each one's description
+    for entry in BUILTIN_ARCHITECTURES.values():
+        for name, text in entry.checkpoint_formats.items():
+            formats.setdefault(name, []).append(f"{entry.name}: {text}")
+    formats_help = "; ".join(["hf: the Hugging Face checkpoint's names",
+                              *(f"{name} ({'; '.join(texts)})" for name, texts in formats.items())])
 
     sub = commands.add_parser("import", help="HF checkpoint -> Megatron torch_dist checkpoint")
     sub.add_argument("hf_dir")
@@ -460,8 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("list", help="supported architectures").set_defaults(func=cmd_list)
     for flag, option in _declared_cli_options().items():
-        keywords = {key: value for key, value in option.items() if key not in ("commands", "passed_to", "architectures")}
-        keywords["help"] = f"{', '.join(option['architectures'])}: {option['help']}"
+        keywords = {key: value for key, value in option.items()
+                    if key not in ("commands", "passed_to", "architectures", "helps")}
+        helps = option["helps"]
+        keywords["help"] = f"{', '.join(helps)}: {option['help']}" if len(set(helps.values())) == 1 else \
+            "; ".join(f"{name}: {text}" for name, text in helps.items())
         for command in option["commands"]:
             commands.choices[command].add_argument(flag, **keywords)
     return parser

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from modelzoo.provider import ModelProvider
 
 # importing one registers its provider (`register`)
-BUILTIN_PROVIDER_MODULES = ("modelzoo.deepseek_v4.provider", "modelzoo.llama.provider", "modelzoo.loopcoder.provider")
+BUILTIN_PROVIDER_MODULES = ("modelzoo.deepseek_v4.provider", "modelzoo.deepseek_v41.provider", "modelzoo.llama.provider",
+                            "modelzoo.loopcoder.provider")
 
 
 @dataclasses.dataclass(frozen=True)

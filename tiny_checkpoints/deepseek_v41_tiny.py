@@ -1,6 +1,7 @@
 """The tiny random DeepSeek-V4.1 checkpoint in transformers main's naming, byte for byte reproducible.
 
-    write_deepseek_v41_tiny(folder)      # config.json + model.safetensors + tokenizer.json
+    write_deepseek_v41_tiny(folder)          # config.json + model.safetensors + tokenizer.json
+    write_deepseek_v41_tiny_native(folder)   # the release layout: native names, FP8 / FP4, sharded
 
 Every layer role is present at a test-sized scale (hidden 64, 10 backbone layers, 3 DSpark layers):
 
@@ -243,5 +244,62 @@ def write_deepseek_v41_tiny(folder: str | Path) -> None:
                for name, shape in sorted(deepseek_v41_shapes(DEEPSEEK_V41_TINY).items())}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(DEEPSEEK_V41_TINY, indent=2, sort_keys=True) + "\n")
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=2, ensure_ascii=False) + "\n",
+                                           encoding="utf-8")
+
+
+# --- the release layout (tiny_checkpoints/deepseek-v41-tiny-native) ---------------------------------------
+# tensors a text-only import carries through (vision tower, aligner) in the release's bf16, besides image_*
+CARRIED_VISION = {"vision.patch_embed.weight": (32, 3 * 14 * 14), "vision.norm.weight": (32,),
+                  "aligner.proj.weight": (64, 32 * 9)}
+
+
+def native_tiny_config() -> dict:
+    """The tiny config with widths that are not multiples of the 32-blocks: q_lora_rank 48 (wq_a ends in a partial
+    row block, wq_b and indexer.wq_b in a partial column block) and moe_intermediate_size 48 (the routed w1 / w3 end in a
+    partial FP4 row, the shared ones in a partial FP8 row block, w2 in partial column blocks)."""
+    return {**DEEPSEEK_V41_TINY, "text_config": {**DEEPSEEK_V41_TINY_TEXT, "q_lora_rank": 48,
+                                                  "moe_intermediate_size": 48}}
+
+
+def tiny_native_tensors(config: dict) -> dict[str, torch.Tensor]:
+    """The tiny tensors of `config` in the release's names and precision (modelzoo/deepseek_v41/release.py), E8M0
+    scales; the Engram tables quantised with their own scales (1 x 32 blocks), the rest kept in float32."""
+    from modelzoo.deepseek_v4.release import quantization as q
+    from modelzoo.deepseek_v41.release import ENGRAM_TABLE_BLOCK, FP8_BLOCK, hf_to_native, is_engram_table, \
+        release_format
+
+    out = {}
+    for hf_name, shape in sorted(deepseek_v41_shapes(config).items()):
+        name, tensor = hf_to_native(hf_name), deepseek_v41_tensor(hf_name, shape)
+        if hf_name.endswith("engram.embed.scale"):
+            continue  # written with its table
+        if is_engram_table(hf_name):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = q.quantize_fp8(
+                tensor, q.E8M0, name=name, block=ENGRAM_TABLE_BLOCK)
+        elif (fmt := release_format(name)) is not None:
+            out[name], out[name.removesuffix(".weight") + ".scale"] = q.quantize(tensor, fmt, q.E8M0, name,
+                                                                                 block=FP8_BLOCK)
+        else:
+            out[name] = tensor
+    for name, shape in CARRIED_VISION.items():
+        out[name] = deepseek_v41_tensor(name, shape).to(torch.bfloat16)
+    return dict(sorted(out.items()))
+
+
+def write_deepseek_v41_tiny_native(folder: str | Path, shard_bytes: int = 256 * 1024) -> None:
+    """Write tiny_checkpoints/deepseek-v41-tiny-native: the tiny model (native_tiny_config) drawn by this module's
+    generator, in the release's names and precision, sharded into several files (so imports read across shards),
+    with the tiny tokenizer.json and a vision tower and aligner to carry through."""
+    from modelzoo.deepseek_v4.release.checkpoint import export_config
+    from modelzoo.deepseek_v41.release import DEEPSEEK_V41
+    from tiny_checkpoints.deepseek_v4_tiny import write_shards
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = native_tiny_config()
+    write_shards(folder, tiny_native_tensors(config), shard_bytes)
+    (folder / "config.json").write_text(json.dumps(export_config(config, "fp8", "mxfp4", "e8m0", DEEPSEEK_V41),
+                                                   indent=2, sort_keys=True) + "\n")
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=2, ensure_ascii=False) + "\n",
                                            encoding="utf-8")

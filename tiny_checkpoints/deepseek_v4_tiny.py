@@ -184,15 +184,9 @@ def tiny_native_tensors(config: dict, scale_format: str = "e8m0") -> dict[str, t
     return out
 
 
-def write_deepseek_v4_tiny_native(folder, scale_format: str = "e8m0", shard_bytes: int = 256 * 1024) -> None:
-    """Write tiny_checkpoints/deepseek-v4-tiny-native: the tiny model (native_tiny_config) drawn by
-    write_deepseek_v4_tiny's generator, quantised into the release layout by modelzoo/deepseek_v4/release/quantization.py, in native names, sharded
-    into several files (model-0000k-of-0000n.safetensors + index) so that imports read across shards.
-    Non-quantised tensors keep the tiny's float32."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = native_tiny_config()
-    tensors = tiny_native_tensors(config, scale_format)
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], shard_bytes: int) -> None:
+    """`tensors` (in their order) in model-0000k-of-0000n.safetensors files of at most `shard_bytes` (a tensor
+    larger than that alone), with their index; older model*.safetensors in `folder` removed."""
     shards, current, size = [], {}, 0
     for name, tensor in tensors.items():  # sorted by name; deterministic
         nbytes = tensor.numel() * tensor.element_size()
@@ -212,5 +206,17 @@ def write_deepseek_v4_tiny_native(folder, scale_format: str = "e8m0", shard_byte
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2, sort_keys=True) + "\n")
+
+
+def write_deepseek_v4_tiny_native(folder, scale_format: str = "e8m0", shard_bytes: int = 256 * 1024) -> None:
+    """Write tiny_checkpoints/deepseek-v4-tiny-native: the tiny model (native_tiny_config) drawn by
+    write_deepseek_v4_tiny's generator, quantised into the release layout by modelzoo/deepseek_v4/release/quantization.py, in native names, sharded
+    into several files (model-0000k-of-0000n.safetensors + index) so that imports read across shards.
+    Non-quantised tensors keep the tiny's float32."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = native_tiny_config()
+    tensors = tiny_native_tensors(config, scale_format)
+    write_shards(folder, tensors, shard_bytes)
     (folder / "config.json").write_text(json.dumps(export_config(config, "fp8", "mxfp4", scale_format),
                                                    indent=2, sort_keys=True) + "\n")

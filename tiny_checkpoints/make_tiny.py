@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from modelzoo.conversion.safetensors_io import ShardedWriter
+from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny, write_deepseek_v41_tiny_native
 from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny, write_deepseek_v4_tiny_native
 
 HERE = Path(__file__).resolve().parent
@@ -133,6 +134,8 @@ CHECKPOINTS = {
                                                              loopcoder_shapes(LOOPCODER_ENGINE_TINY)),
     "deepseek-v4-tiny": write_deepseek_v4_tiny,
     "deepseek-v4-tiny-native": write_deepseek_v4_tiny_native,
+    "deepseek-v41-tiny": write_deepseek_v41_tiny,
+    "deepseek-v41-tiny-native": write_deepseek_v41_tiny_native,
 }
 
 
@@ -140,10 +143,6 @@ def main(out_dir: Path = HERE) -> None:
     for name, write in CHECKPOINTS.items():
         write(out_dir / name)
         print(f"wrote {out_dir / name}")
-    # DeepSeek-V4.1's generator is the module beside this one (tests/deepseek_v41 checks its bytes)
-    from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny
-    write_deepseek_v41_tiny(out_dir / "deepseek-v41-tiny")
-    print(f"wrote {out_dir / 'deepseek-v41-tiny'}")
 
 
 if __name__ == "__main__":

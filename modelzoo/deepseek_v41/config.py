@@ -21,12 +21,15 @@ of its own (5.25 has none; its main branch has one).
 
 from __future__ import annotations
 
+import dataclasses
+
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 TRANSFORMERS_HAS_DEEPSEEK_V41 = "deepseek_v41" in CONFIG_MAPPING_NAMES
 
+ENGRAM_SCALE_BLOCK = 32  # one FP8 scale per 32 channels of an Engram table row (the release's and the lookup's)
 # transformers main's cache dispatch names: layers that publish compressed K/V, and every other layer
 SLIDING, SHARED_COMPRESSED = "sliding_attention", "shared_compressed_attention"
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -530,4 +533,114 @@ if not TRANSFORMERS_HAS_DEEPSEEK_V41:
     for _config_class in (DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig):
         AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
 
-__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "TRANSFORMERS_HAS_DEEPSEEK_V41"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Megatron translation
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeepseekV41Args:
+    """What the Megatron modules read, flat. The MoE fields carry the names of DeepSeek-V4's `DeepseekV4Args`,
+    whose router and experts V4.1 reuses; `text` is the validated text config (its RoPE and Engram hash
+    parameters are read through it)."""
+
+    text: DeepseekV41TextConfig
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str
+    gate_temp: float
+    routed_scaling_factor: float
+    swiglu_limit: float
+    rms_norm_eps: float
+    num_draft_layers: int
+    draft_num_experts: int
+    draft_num_experts_per_tok: int
+
+    @classmethod
+    def from_hf(cls, hf: DeepseekV41Config | DeepseekV41TextConfig) -> DeepseekV41Args:
+        text = hf.get_text_config()
+        return cls(
+            text=text, vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_layers=text.num_hidden_layers,
+            num_heads=text.num_attention_heads, head_dim=text.head_dim, q_lora_rank=text.q_lora_rank,
+            o_groups=text.o_groups, o_lora_rank=text.o_lora_rank, sliding_window=text.sliding_window,
+            index_n_heads=text.index_n_heads, index_head_dim=text.index_head_dim, index_topk=text.index_topk,
+            hc_mult=text.hc_mult, hc_sinkhorn_iters=text.hc_sinkhorn_iters, hc_eps=text.hc_eps,
+            num_experts=text.n_routed_experts, num_experts_per_tok=text.num_experts_per_tok,
+            moe_intermediate_size=text.moe_intermediate_size, scoring_func=text.scoring_func,
+            gate_temp=float(text.gate_temp), routed_scaling_factor=float(text.routed_scaling_factor),
+            swiglu_limit=float(text.swiglu_limit), rms_norm_eps=text.rms_norm_eps,
+            num_draft_layers=text.num_nextn_predict_layers, draft_num_experts=text.dspark_n_routed_experts,
+            draft_num_experts_per_tok=text.dspark_num_experts_per_tok)
+
+    def draft_moe(self) -> DeepseekV41Args:
+        """The same fields with the DSpark layers' expert count and top-k (their MoE is smaller)."""
+        return dataclasses.replace(self, num_experts=self.draft_num_experts,
+                                   num_experts_per_tok=self.draft_num_experts_per_tok)
+
+
+# what the Megatron model does not implement (the reference does): field -> (supported values, why)
+MEGATRON_UNSUPPORTED = {
+    "scoring_func": (("sqrtsoftplus", "sigmoid"), "the router scores DeepSeek-V4's router implements"),
+    "norm_topk_prob": ((True,), "the routed weights are always normalised, as the release does"),
+    "n_shared_experts": ((1,), "the release has exactly one shared expert"),
+}
+
+
+def check_supported(hf: DeepseekV41Config, where: str) -> None:
+    """One ValueError naming the first text-config value the Megatron model does not implement."""
+    text = hf.get_text_config()
+    for field, (allowed, why) in MEGATRON_UNSUPPORTED.items():
+        value = getattr(text, field)
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise ValueError(f"{where}: text_config.{field} is {value!r}; the Megatron model supports "
+                             f"{list(allowed)} ({why})")
+    if text.num_attention_heads % text.o_groups:
+        raise ValueError(f"{where}: text_config.num_attention_heads ({text.num_attention_heads}) must be a multiple "
+                         f"of o_groups ({text.o_groups}): each output group projects whole heads")
+
+
+def check_parallel(hf: DeepseekV41Config, tp: int, ep: int) -> None:
+    """The V4.1-specific divisibility rules of a parallel layout, in one sentence."""
+    text = hf.get_text_config()
+    if text.o_groups % tp:
+        raise ValueError(f"deepseek_v41: tensor parallel size {tp} must divide o_groups ({text.o_groups}): wo_a "
+                         "is sharded by output group")
+    experts = {"n_routed_experts": text.n_routed_experts}
+    if text.num_nextn_predict_layers:
+        experts["dspark_n_routed_experts"] = text.dspark_n_routed_experts
+    for field, count in experts.items():
+        if count % ep:
+            raise ValueError(f"deepseek_v41: expert parallel size {ep} must divide {field} ({count})")
+
+
+def transformer_config_fields(hf: DeepseekV41Config) -> dict:
+    """Megatron TransformerConfig fields (sizes and flags the parallel layers read)."""
+    from modelzoo.provider import SWIGLU_RMSNORM_FIELDS
+
+    text = hf.get_text_config()
+    return dict(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size, ffn_hidden_size=text.moe_intermediate_size,
+        num_attention_heads=text.num_attention_heads, kv_channels=text.head_dim,
+        num_moe_experts=text.n_routed_experts, moe_router_topk=text.num_experts_per_tok,
+        moe_ffn_hidden_size=text.moe_intermediate_size, layernorm_epsilon=text.rms_norm_eps,
+        **SWIGLU_RMSNORM_FIELDS, gradient_accumulation_fusion=False, init_method_std=text.initializer_range,
+        moe_token_dispatcher_type="alltoall")
+
+
+__all__ = ["DeepseekV41Args", "DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig",
+           "TRANSFORMERS_HAS_DEEPSEEK_V41", "check_parallel", "check_supported", "transformer_config_fields"]

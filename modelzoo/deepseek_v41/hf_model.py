@@ -46,6 +46,7 @@ Where transformers main's `modeling_deepseek_v41.py` differs, this follows DeepS
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -58,12 +59,17 @@ from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 from transformers.modeling_utils import PreTrainedModel
 
-from .config import TRANSFORMERS_HAS_DEEPSEEK_V41, DeepseekV41Config, DeepseekV41TextConfig, engram_bucket_primes
+from .config import (
+    ENGRAM_SCALE_BLOCK,
+    TRANSFORMERS_HAS_DEEPSEEK_V41,
+    DeepseekV41Config,
+    DeepseekV41TextConfig,
+    engram_bucket_primes,
+)
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 FP4_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-ENGRAM_SCALE_BLOCK = 32  # one FP8 scale per 32 channels of an Engram table row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -827,13 +833,58 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' loading, then the frozen defaults and, for Engram, the normalised vocabulary of the
-        folder's tokenizer.json (read as data, no remote code)."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        folder's tokenizer.json (read as data, no remote code). With `output_loading_info=True`, (model, info).
+        A release checkpoint (native names, FP8 / FP4 weights: release.py) is read as transformers main reads it,
+        renamed and dequantised (`_from_release`)."""
+        loaded = cls._from_release(pretrained_model_name_or_path, kwargs.get("dtype"),
+                                   kwargs.get("output_loading_info", False))
+        if loaded is None:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if kwargs.get("output_loading_info") else loaded
         model.freeze_defaults()
         tokenizer_file = Path(pretrained_model_name_or_path) / "tokenizer.json"
         if model.model.engram_hasher is not None and tokenizer_file.is_file():
             model.set_engram_token_map(build_engram_token_map(tokenizer_file)[0])
-        return model
+        return loaded
+
+    @classmethod
+    def _from_release(cls, folder, dtype: torch.dtype | None, output_loading_info: bool):
+        """The model of a release checkpoint folder (native names or quantised weights), its tensors read through
+        release.py's view (renamed to this model's names, dequantised exactly); None for any other checkpoint.
+        Every tensor is accounted for as transformers would: missing, unexpected and mis-shaped ones are reported
+        in the loading info (the vision tower, aligner and image delimiters are ignored, as on the HF path)."""
+        import json
+
+        from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE
+        from modelzoo.deepseek_v4.release.checkpoint import checkpoint_view
+        from modelzoo.deepseek_v41.release import DEEPSEEK_V41
+
+        folder = Path(folder)
+        if not ((folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()):
+            return None
+        dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        view = checkpoint_view(folder, dtype, release=DEEPSEEK_V41)
+        try:
+            if not (view.quantized or DEEPSEEK_V41.is_native(view.reader.names())):
+                return None
+            config = json.loads((folder / "config.json").read_text())
+            config.pop("quantization_config", None)
+            model = cls(cls.config_class.from_dict(config)).to(dtype)
+            expected = model.state_dict()
+            ignored = [re.compile(pattern) for pattern in cls._keys_to_ignore_on_load_unexpected]
+            names = [name for name in view.names() if not any(pattern.match(name) for pattern in ignored)]
+            unexpected = sorted(set(names) - set(expected))
+            mismatched = sorted(name for name in names if name in expected
+                                and tuple(view.shape(name)) != tuple(expected[name].shape))
+            state = {name: view.get(name) for name in names if name in expected and name not in mismatched}
+            missing = sorted(set(expected) - set(state) - set(mismatched))
+            model.load_state_dict(state, strict=False)
+        finally:
+            view.close()
+        model.eval()
+        info = {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched,
+                "error_msgs": []}
+        return (model, info) if output_loading_info else model
 
     def set_engram_token_map(self, token_map) -> None:
         """The normalised vocabulary (one class id per token id) the Engram hashes run over."""
@@ -842,12 +893,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, image_mask: torch.Tensor | None = None,
                 fake_quant: bool = False, draft_anchor_ids: torch.LongTensor | None = None,
-                draft_ids: torch.LongTensor | None = None, **kwargs) -> DeepseekV41CausalLMOutput:
+                draft_ids: torch.LongTensor | None = None, use_cache: bool | None = None,
+                **kwargs) -> DeepseekV41CausalLMOutput:
         """input_ids [B, S]. attention_mask [B, S]: 1 for tokens, 0 for padding after them (right padding only:
         latents pool fixed positions from the row start). image_mask [B, S] bool: image tokens (routing bias
         bias_vl, dead for Engram). fake_quant: the release's FP8 / FP4 storage of K/V and indexer q, k.
         draft_anchor_ids [B, S]: the token at position t+1 for each t, to run the DSpark layers; draft_ids
-        [B, S, K-1]: the draft tokens whose Markov biases to use (default: the greedy choice of each slot)."""
+        [B, S, K-1]: the draft tokens whose Markov biases to use (default: the greedy choice of each slot).
+        use_cache: accepted for transformers' callers; the forward is always the full sequence, without a cache."""
         if kwargs:
             raise TypeError(f"DeepseekV41ForCausalLM.forward does not take {sorted(kwargs)}.")
         dead = self._dead_tokens(input_ids, attention_mask, image_mask)

@@ -7,11 +7,10 @@ logits are O(1)); 1e-3 on log-probs for "a mechanism matters", the bar the Megat
 import numpy as np
 import pytest
 import torch
-from dsv41_helpers import load_tiny, log_probs, random_rows
+from dsv41_helpers import MECHANISMS, load_tiny, log_probs, random_rows, switch_off
 
 from modelzoo.deepseek_v41.hf_model import (
     DeepseekV41Attention,
-    DeepseekV41DecoderLayer,
     _round_to_e2m1,
     fake_quant_fp4,
     fake_quant_fp8,
@@ -41,47 +40,12 @@ def test_prefix_logits_do_not_change_when_the_row_grows(model, fake_quant):
                                        rtol=0, atol=SAME)
 
 
-def _switch_off_engram(model):
-    for layer in model.model.layers:
-        layer.engram = None
-
-
-def _switch_off_candidate_restriction(model):
-    for layer in model.model.layers:
-        layer.attn.uses_candidates = False
-
-
-def _switch_off_reuse(model):
-    for layer in model.model.layers:
-        attn = layer.attn
-        if attn.ratio and not attn.is_index_source:  # a reuse layer: window only
-            attn.reads_compressed = False
-
-
-def _own_pre_forward(self, streams, previous_pre, *, attention, ffn_kwargs):
-    """DeepSeek-V4's order: each site collapses its input with its own pre."""
-    attn_pre, attn_post, attn_comb = self.hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-    streams = self.hc_expand(attention(self.attn_norm(self.hc_collapse(streams, attn_pre))), streams, attn_post,
-                             attn_comb)
-    ffn_pre, ffn_post, ffn_comb = self.hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-    output = self.ffn(self.ffn_norm(self.hc_collapse(streams, ffn_pre)), **ffn_kwargs)
-    return self.hc_expand(output, streams, ffn_post, ffn_comb), ffn_pre
-
-
-@pytest.mark.parametrize("mechanism", ["engram", "candidate restriction", "reuse", "single-pass pre"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_each_mechanism_moves_the_log_probs(model, mechanism, monkeypatch):
     rows = random_rows(2, 64, seed=1)
     with torch.no_grad():
         reference = log_probs(model(rows).logits)
-    changed = load_tiny()
-    if mechanism == "engram":
-        _switch_off_engram(changed)
-    elif mechanism == "candidate restriction":
-        _switch_off_candidate_restriction(changed)
-    elif mechanism == "reuse":
-        _switch_off_reuse(changed)
-    else:
-        monkeypatch.setattr(DeepseekV41DecoderLayer, "forward", _own_pre_forward)
+    changed = switch_off(load_tiny(), mechanism, monkeypatch)
     with torch.no_grad():
         moved = (log_probs(changed(rows).logits) - reference).abs().max().item()
     assert moved > MATTERS, f"switching off {mechanism} moved the log-probs by only {moved:.2e}"

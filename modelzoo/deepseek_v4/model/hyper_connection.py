@@ -41,17 +41,28 @@ class HyperConnection(nn.Module):
         Give the returned streams to `hc_residual`: on a GPU they are an alias through which the
         residual's gradient reaches this map's backward kernels (`hc_kernels`), instead of a sum by autograd.
         """
+        pre, post, comb, streams = self.mix(streams)
+        collapsed, streams = collapse(streams, pre)
+        return post, comb, collapsed, streams
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams -> (pre, post, comb, streams): the map's weights, without the collapse (DeepSeek-V4.1 collapses
+        with another site's pre); the returned streams as in `forward`."""
         kernels = _kernels(streams)
         if kernels is not None:
             mixes, streams = kernels.StreamsMap.apply(streams, self.fn, self.norm_eps)
         else:
             mixes = map_mixes(streams, linear_fp32(streams.flatten(2), self.fn), self.norm_eps)
         pre, post, comb = hc_mixing(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
-        if kernels is not None:
-            collapsed, streams = kernels.Collapse.apply(streams, pre)
-        else:
-            collapsed = plain_collapse(pre, streams)
-        return post, comb, collapsed, streams
+        return pre, post, comb, streams
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_n pre[n] * streams[n], streams): the block's input, and the streams to hand on (an alias on a GPU)."""
+    kernels = _kernels(streams)
+    if kernels is not None:
+        return kernels.Collapse.apply(streams, pre)
+    return plain_collapse(pre, streams), streams
 
 
 def _kernels(streams: torch.Tensor):

@@ -13,15 +13,17 @@ which native weights are quantised when we write the release layout. Reading doe
 precision table: any weight that has a scale is dequantised.
 
     view = checkpoint_view(folder, dtype)            # a CheckpointReader over native or HF names
-    load_weights(provider, model, folder)            # = provider.load_hf_weights through that view
     save(provider, model, out_dir, naming="native", quantize="fp8")
+
+The machinery takes the release it reads or writes as a `ReleaseFormat` (names, precision table, FP8 block,
+scales the model holds itself): DeepSeek-V4's is `DEEPSEEK_V4`, DeepSeek-V4.1's is in modelzoo/deepseek_v41/release.py.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ import torch
 from modelzoo.conversion.files import confined, read_json
 from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader
 from modelzoo.deepseek_v4.release import quantization as q
+from modelzoo.deepseek_v4.release.quantization import Block
 from modelzoo.deepseek_v4.release.view import KEPT_SCALES_DIR, CheckpointView, KeptScales, quantize_stream
 
 # native -> bridge HF, whole names (checked first), then prefixes; MTP names are the same in both
@@ -108,27 +111,81 @@ def release_format(native_name: str, experts: str = "mxfp4") -> str | None:
     return None
 
 
-def checkpoint_view(folder_or_reader, dtype: torch.dtype = torch.float32, naming: str | None = None) -> CheckpointView:
+def _no_own_scales(name: str) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFormat:
+    """A vendor release's names and precision beside the HF names of an architecture's mapping.py."""
+
+    native_to_hf: Callable[[str], str]
+    hf_to_native: Callable[[str], str]
+    is_native: Callable[[Iterable[str]], bool]              # whether a checkpoint's tensor names are native
+    release_format: Callable[[str, str], str | None]        # (native name, experts) -> 'fp8' | 'mxfp4' | None
+    routed_experts: re.Pattern                              # native names of routed-expert weights
+    weight_block_size: Block = q.FP8_BLOCK_2D               # the FP8 block (quantization_config.weight_block_size)
+    fp8_blocks: tuple[tuple[re.Pattern, Block], ...] = ()   # HF names whose FP8 block is another one
+    # whether a stored weight's `.scale` is a tensor of the model (both shown, re-quantised as a pair)
+    own_scale: Callable[[str], bool] = _no_own_scales
+
+    def fp8_block(self, hf_name: str) -> Block:
+        return next((block for pattern, block in self.fp8_blocks if pattern.match(hf_name)), self.weight_block_size)
+
+
+def checkpoint_view(folder_or_reader, dtype: torch.dtype = torch.float32, naming: str | None = None,
+                    release: ReleaseFormat | None = None) -> CheckpointView:
     """The checkpoint under mapping.py's HF names, dequantised into `dtype` on read.
 
-    `naming`: 'native' | 'hf' | None (detected from the tensor names).
+    `naming`: 'native' | 'hf' | None (detected from the tensor names). `release`: DeepSeek-V4's by default.
     """
+    release = release or DEEPSEEK_V4
     reader = folder_or_reader if isinstance(folder_or_reader, CheckpointReader) else CheckpointReader(folder_or_reader)
     if naming is None:
-        naming = "native" if is_native(reader.names()) else "hf"
+        naming = "native" if release.is_native(reader.names()) else "hf"
     if naming not in ("native", "hf"):
         raise ValueError(f"naming={naming!r} is not 'native' or 'hf'")
-    return CheckpointView(reader, rename=native_to_hf if naming == "native" else None, dtype=dtype)
+    return CheckpointView(reader, rename=release.native_to_hf if naming == "native" else None, dtype=dtype,
+                          fp8_block=release.fp8_block, own_scale=release.own_scale)
+
+
+def _own_scale_pairs(tensors: Iterable[tuple[str, torch.Tensor]], release: ReleaseFormat, quantize: str | None,
+                     scale_dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights whose scale the model holds (`release.own_scale`, HF names `<x>.weight` + `<x>.scale`): with
+    `quantize`, each pair re-quantised together into FP8 codes and a `scale_dtype` scale, the model's own scale
+    kept wherever it still encodes the values exactly (so an untrained pair comes back bit for bit)."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        weight = name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name
+        if not (quantize and release.own_scale(weight)):
+            yield name, tensor
+            continue
+        pair = waiting.setdefault(weight, {})
+        pair["scale" if name != weight else "weight"] = tensor
+        if len(pair) < 2:
+            continue
+        del waiting[weight]
+        block = release.fp8_block(weight)
+        values = q.apply_block_scale(pair["weight"].to(torch.float32, copy=True), pair["scale"], block)  # in place
+        own = pair["scale"].to(torch.float32)
+        keep = own if scale_dtype == torch.float32 else q.e8m0_rounded_down(own, scale_dtype)
+        codes, scale = q.quantize_fp8(values, scale_dtype, name=weight, keep_scale=keep, block=block)
+        yield weight, codes
+        yield weight[: -len(".weight")] + ".scale", scale
+    if waiting:
+        raise CheckpointError(f"{sorted(waiting)[0]}: its weight and .scale did not both reach the export")
 
 
 def export_weights(provider, model, naming: str = "native", quantize: str | None = None, experts: str | None = None,
                    scale_format: str = "e8m0", dtype: torch.dtype | None = None,
-                   kept: KeptScales | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                   kept: KeptScales | None = None,
+                   release: ReleaseFormat | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream `(name, tensor)` in `naming` ('native' | 'hf'); `quantize='fp8'` writes the release precision:
-    FP8 128x128 blocks with scales in `scale_format`, routed experts in `experts` ('mxfp4' | 'fp8'; None:
-    as the source stored them, else mxfp4). With `kept` (the source's KeptScales) the weights the source
+    FP8 blocks (the release's: V4 128x128) with scales in `scale_format`, routed experts in `experts` ('mxfp4' |
+    'fp8'; None: as the source stored them, else mxfp4). With `kept` (the source's KeptScales) the weights the source
     quantised are the ones quantised, in its formats, with its scales wherever they still encode a weight
-    exactly; without, the release table above decides."""
+    exactly; without, the release table decides (`release`: DeepSeek-V4's by default)."""
+    release = release or DEEPSEEK_V4
     if naming not in ("native", "hf"):
         raise ValueError(f"naming={naming!r} is not 'native' or 'hf'")
     if quantize not in (None, "fp8"):
@@ -137,25 +194,27 @@ def export_weights(provider, model, naming: str = "native", quantize: str | None
         raise ValueError(f"experts={experts!r} is not 'mxfp4' or 'fp8'")
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format={scale_format!r} is not one of {sorted(SCALE_FORMATS)}")
-    rename = hf_to_native if naming == "native" else (lambda name: name)
+    rename = release.hf_to_native if naming == "native" else (lambda name: name)
 
     def fmt_of(name: str) -> str | None:
-        if not quantize:
-            return None
-        native_name = hf_to_native(name)
+        if not quantize or release.own_scale(name[: -len(".scale")] + ".weight" if name.endswith(".scale") else name):
+            return None  # own-scale pairs: quantised by _own_scale_pairs
+        native_name = release.hf_to_native(name)
         if kept is None:
-            return release_format(native_name, experts or "mxfp4")
+            return release.release_format(native_name, experts or "mxfp4")
         fmt = kept.format(name)
-        return experts if fmt is not None and experts is not None and RELEASE_EXPERTS.match(native_name) else fmt
+        return experts if fmt is not None and experts is not None and release.routed_experts.match(native_name) else fmt
 
-    return quantize_stream(provider.export_hf_weights(model), rename, fmt_of, naming, SCALE_FORMATS[scale_format], dtype,
-                           kept)
+    scale_dtype = SCALE_FORMATS[scale_format]
+    tensors = _own_scale_pairs(provider.export_hf_weights(model), release, quantize, scale_dtype)
+    return quantize_stream(tensors, rename, fmt_of, naming, scale_dtype, dtype, kept, fp8_block=release.fp8_block)
 
 
-def _expert_format(kept: KeptScales | None) -> str:
+def _expert_format(kept: KeptScales | None, release: ReleaseFormat) -> str:
     """How the source stored its routed experts ('mxfp4' if it kept no scales for them)."""
     formats = kept.formats if kept is not None else {}
-    return next((fmt for name, fmt in formats.items() if RELEASE_EXPERTS.match(hf_to_native(name))), "mxfp4")
+    return next((fmt for name, fmt in formats.items() if release.routed_experts.match(release.hf_to_native(name))),
+                "mxfp4")
 
 
 def source_scale_format(folder) -> str:
@@ -177,21 +236,26 @@ def source_scale_format(folder) -> str:
     return "e8m0"
 
 
-def export_config(config: dict, quantize: str | None, experts: str, scale_format: str) -> dict:
+def export_config(config: dict, quantize: str | None, experts: str, scale_format: str,
+                  release: ReleaseFormat | None = None) -> dict:
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     if quantize:
-        config["quantization_config"] = {**QUANTIZATION_CONFIG, "scale_fmt": "ue8m0" if SCALE_FORMATS[scale_format] != torch.float32 else "float32",
+        block = list((release or DEEPSEEK_V4).weight_block_size)
+        config["quantization_config"] = {**QUANTIZATION_CONFIG, "weight_block_size": block,
+                                         "scale_fmt": "ue8m0" if SCALE_FORMATS[scale_format] != torch.float32 else "float32",
                                          "expert_dtype": "fp4" if experts == "mxfp4" else "fp8"}
     return config
 
 
 def save(provider, model, out_dir, naming: str = "native", quantize: str | None = None, experts: str | None = None,
          scale_format: str | None = None, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
-         source_dir=None) -> int:
+         source_dir=None, release: ReleaseFormat | None = None) -> int:
     """Write a checkpoint folder atomically (rank 0; collective like provider.save_hf). Returns bytes written.
 
     `scale_format=None` keeps the source checkpoint's FP8 scale format (F32 or E8M0; E8M0 if it had none).
+    `release`: DeepSeek-V4's by default.
     """
+    release = release or DEEPSEEK_V4
     import torch.distributed as dist
 
     from modelzoo.conversion.safetensors_io import ShardedWriter
@@ -201,11 +265,11 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     if scale_format is None:
         scale_format = source_scale_format(source) if source is not None else "e8m0"
     kept_folder = source / KEPT_SCALES_DIR if source is not None else None
-    kept = KeptScales(confined(kept_folder, source, folder=True)) \
+    kept = KeptScales(confined(kept_folder, source, folder=True), release.fp8_block) \
         if quantize and kept_folder is not None and kept_folder.is_dir() else None
-    experts = experts or _expert_format(kept)
+    experts = experts or _expert_format(kept, release)
     try:
-        tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept)
+        tensors = export_weights(provider, model, naming, quantize, experts, scale_format, dtype, kept, release)
         if dist.is_initialized() and dist.get_rank() != 0:
             for _ in tensors:
                 pass
@@ -215,7 +279,7 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
         with ShardedWriter(out_dir, max_shard_bytes) as writer:
             for name, tensor in tensors:
                 writer.add(name, tensor)
-            writer.write_json("config.json", export_config(config, quantize, experts, scale_format))
+            writer.write_json("config.json", export_config(config, quantize, experts, scale_format, release))
             for file_name in TOKENIZER_FILES:
                 if source is not None and (source / file_name).exists():
                     writer.copy_file(source / file_name, source)
@@ -223,3 +287,7 @@ def save(provider, model, out_dir, naming: str = "native", quantize: str | None 
     finally:
         if kept is not None:
             kept.close()
+
+
+DEEPSEEK_V4 = ReleaseFormat(native_to_hf=native_to_hf, hf_to_native=hf_to_native, is_native=is_native,
+                            release_format=release_format, routed_experts=RELEASE_EXPERTS)

@@ -3,9 +3,9 @@
 Architecture-agnostic. Two storage formats of a weight `W [..., R, C]` (leading dims, if any, are
 independent matrices, e.g. stacked experts):
 
-FP8 block (DeepSeek-V3/V4 release layout)
-    `weight` float8_e4m3fn `[..., R, C]` and `scale` `[..., ceil(R/128), ceil(C/128)]`, one per 128 x 128
-    block (the last row / column of blocks is partial when R or C is not a multiple of 128).
+FP8 block (DeepSeek-V3/V4 release layout; DeepSeek-V4.1's uses 32 x 32 blocks, and 1 x 32 for its Engram tables)
+    `weight` float8_e4m3fn `[..., R, C]` and `scale` `[..., ceil(R/br), ceil(C/bc)]`, one per br x bc block
+    (`block`, 128 x 128 by default; the last row / column of blocks is partial when R or C is not a multiple).
     W = float(weight) * scale[block], the scale stored as float32 or as E8M0 (`float8_e8m0fnu`, or
     uint8 bytes: 2^(byte - 127)).
 MXFP4 (OCP Microscaling Formats spec v1.0, MXFP4 = E2M1 elements, block of k = 32, E8M0 scale)
@@ -43,12 +43,15 @@ import torch
 from modelzoo.conversion.safetensors_io import CheckpointError
 
 FP8_BLOCK = 128
+Block = tuple[int, int]         # an FP8 scale block: (rows, columns)
+FP8_BLOCK_2D: Block = (FP8_BLOCK, FP8_BLOCK)
 MX_BLOCK = 32
 E4M3_MAX = 448.0
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 FP8_SCALE_DTYPES = (torch.float32, E8M0, torch.uint8)
 MXFP4_PACKED_DTYPES = (torch.int8, torch.uint8)
 MXFP4_SCALE_DTYPES = (E8M0, torch.uint8)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # E2M1 magnitudes by 3-bit code (exponent bits e, mantissa bit m: e == 0 -> m / 2, else 2^(e-1) (1 + m/2))
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -61,9 +64,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def fp8_scale_shape(shape: tuple[int, ...] | torch.Size, block: int = FP8_BLOCK) -> tuple[int, ...]:
+def fp8_scale_shape(shape: tuple[int, ...] | torch.Size, block: Block = FP8_BLOCK_2D) -> tuple[int, ...]:
     *lead, rows, cols = shape
-    return (*lead, _cdiv(rows, block), _cdiv(cols, block))
+    return (*lead, _cdiv(rows, block[0]), _cdiv(cols, block[1]))
 
 
 def mxfp4_scale_shape(shape: tuple[int, ...] | torch.Size, block: int = MX_BLOCK) -> tuple[int, ...]:
@@ -89,7 +92,15 @@ def _e8m0_from_exponent(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return raw if dtype == torch.uint8 else raw.view(dtype)
 
 
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+def e8m0_rounded_down(scale: torch.Tensor, dtype: torch.dtype = E8M0) -> torch.Tensor:
+    """float32 scales (> 0) as E8M0 (`dtype`: float8_e8m0fnu or uint8), each rounded down to a power of two: exact
+    for scales that are powers of two (those an E8M0 scale was read into)."""
+    exponent = (torch.frexp(scale.to(torch.float32))[1] - 1).clamp(-127, 127)
+    return _e8m0_from_exponent(exponent, dtype)
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """A float32 or E8M0 scale as float32 values (exact)."""
     return scale.to(torch.float32) if scale.dtype == torch.float32 else e8m0_to_float(scale)
 
 
@@ -103,38 +114,46 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
 
 
-# --- FP8 E4M3, 128 x 128 blocks -----------------------------------------------------------------
-def check_fp8(weight_shape, weight_dtype, scale_shape, scale_dtype, name: str = "tensor") -> None:
+# --- FP8 E4M3, br x bc blocks (128 x 128 by default) --------------------------------------------
+def check_fp8(weight_shape, weight_dtype, scale_shape, scale_dtype, name: str = "tensor",
+              block: Block = FP8_BLOCK_2D) -> None:
     if weight_dtype != torch.float8_e4m3fn:
         raise QuantizationError(f"{name}: FP8 block weights must be float8_e4m3fn, got {weight_dtype}")
     if len(weight_shape) < 2:
         raise QuantizationError(f"{name}: an FP8 block-scaled weight must have at least 2 dims, got {list(weight_shape)}")
     if scale_dtype not in FP8_SCALE_DTYPES:
         raise QuantizationError(f"{name}: FP8 scale dtype {scale_dtype} is not float32 or E8M0")
-    expected = fp8_scale_shape(weight_shape)
+    expected = fp8_scale_shape(weight_shape, block)
     if tuple(scale_shape) != expected:
         raise QuantizationError(
-            f"{name}: scale shape {list(scale_shape)} does not match 128x128 blocks of the weight "
+            f"{name}: scale shape {list(scale_shape)} does not match {block[0]}x{block[1]} blocks of the weight "
             f"{list(weight_shape)} (expected {list(expected)})")
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                   name: str = "tensor") -> torch.Tensor:
-    """FP8 E4M3 weight [..., R, C] with one scale per 128 x 128 block -> `dtype`."""
-    check_fp8(weight.shape, weight.dtype, scale.shape, scale.dtype, name)
-    rows, cols = weight.shape[-2:]
-    out = weight.to(torch.float32)
-    row_scale = _scale_to_float(scale).repeat_interleave(FP8_BLOCK, dim=-2)[..., :rows, :]  # [..., R, Cb]
-    full, rest = divmod(cols, FP8_BLOCK)
+                   name: str = "tensor", block: Block = FP8_BLOCK_2D) -> torch.Tensor:
+    """FP8 E4M3 weight [..., R, C] with one scale per `block` (rows x columns) -> `dtype`."""
+    check_fp8(weight.shape, weight.dtype, scale.shape, scale.dtype, name, block)
+    return apply_block_scale(weight.to(torch.float32), scale, block).to(dtype)
+
+
+def apply_block_scale(values: torch.Tensor, scale: torch.Tensor, block: Block = FP8_BLOCK_2D) -> torch.Tensor:
+    """fp32 values [..., R, C] times one (float32 or E8M0) scale per `block`, in place: exact where the product is
+    (E4M3 codes times a power of two)."""
+    rows, cols = values.shape[-2:]
+    out = values
+    row_scale = scale_to_float(scale).repeat_interleave(block[0], dim=-2)[..., :rows, :]  # [..., R, Cb]
+    full, rest = divmod(cols, block[1])
     if full:
-        out[..., : full * FP8_BLOCK].unflatten(-1, (full, FP8_BLOCK)).mul_(row_scale[..., :full, None])
+        out[..., : full * block[1]].unflatten(-1, (full, block[1])).mul_(row_scale[..., :full, None])
     if rest:
-        out[..., full * FP8_BLOCK:].mul_(row_scale[..., full:])
+        out[..., full * block[1]:].mul_(row_scale[..., full:])
+    return out
     return out.to(dtype)
 
 
 def _fp8_codes(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes of blocks [..., rb, 128, cb, 128] under float scales [..., rb, cb]."""
+    """E4M3 codes of blocks [..., rb, br, cb, bc] under float scales [..., rb, cb]."""
     return (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -144,22 +163,25 @@ def _fp8_exact_blocks(blocks: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (back == blocks).all(dim=-1).all(dim=-2)
 
 
-def can_keep(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> bool:
+def can_keep(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape: tuple[int, ...] | torch.Size,
+             block: Block = FP8_BLOCK_2D) -> bool:
     """Whether `kept` can be the kept scale of quantising a `shape` tensor to `fmt` with `scale_dtype` scales
     (not when the source stored the tensor in another format or scale dtype)."""
     dtypes = (torch.float32,) if fmt == "fp8" and scale_dtype == torch.float32 else (E8M0, torch.uint8)
-    return tuple(kept.shape) == scale_shape(fmt, shape) and kept.dtype in dtypes
+    return tuple(kept.shape) == scale_shape(fmt, shape, block) and kept.dtype in dtypes
 
 
-def _check_kept_scale(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape, name: str) -> None:
-    if not can_keep(kept, fmt, scale_dtype, shape):
+def _check_kept_scale(kept: torch.Tensor, fmt: str, scale_dtype: torch.dtype, shape, name: str,
+                      block: Block = FP8_BLOCK_2D) -> None:
+    if not can_keep(kept, fmt, scale_dtype, shape, block):
         raise QuantizationError(f"{name}: kept scale {list(kept.shape)} {kept.dtype} does not match the scale "
-                                f"being written ({list(scale_shape(fmt, shape))}, {scale_dtype})")
+                                f"being written ({list(scale_shape(fmt, shape, block))}, {scale_dtype})")
 
 
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
-                 keep_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., R, C] -> (float8_e4m3fn [..., R, C], scale [..., ceil(R/128), ceil(C/128)] in `scale_dtype`).
+                 keep_scale: torch.Tensor | None = None,
+                 block: Block = FP8_BLOCK_2D) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., R, C] -> (float8_e4m3fn [..., R, C], scale [..., ceil(R/br), ceil(C/bc)] in `scale_dtype`).
 
     `keep_scale`: a previous scale of the same geometry and dtype; see "Kept scales" above."""
     if scale_dtype not in FP8_SCALE_DTYPES:
@@ -170,8 +192,8 @@ def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "
     x = x.to(torch.float32)
     _check_finite(x, name)
     *lead, rows, cols = x.shape
-    rb, cb = _cdiv(rows, FP8_BLOCK), _cdiv(cols, FP8_BLOCK)
-    blocks = _pad_to(x, rb * FP8_BLOCK, cb * FP8_BLOCK).reshape(*lead, rb, FP8_BLOCK, cb, FP8_BLOCK)
+    rb, cb = _cdiv(rows, block[0]), _cdiv(cols, block[1])
+    blocks = _pad_to(x, rb * block[0], cb * block[1]).reshape(*lead, rb, block[0], cb, block[1])
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., rb, cb]
     if scale_dtype == torch.float32:
         scale = amax / E4M3_MAX
@@ -191,14 +213,14 @@ def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = E8M0, name: str = "
             raise QuantizationError(f"{name}: values too large for an E8M0 scale")
         scale = torch.ldexp(torch.ones_like(amax), exponent)
     if keep_scale is not None:
-        _check_kept_scale(keep_scale, "fp8", scale_dtype, x.shape, name)
-        kept = _scale_to_float(keep_scale)
+        _check_kept_scale(keep_scale, "fp8", scale_dtype, x.shape, name, block)
+        kept = scale_to_float(keep_scale)
         scale = torch.where(_fp8_exact_blocks(blocks, kept, source_dtype), kept, scale)
     if scale_dtype == torch.float32:
         stored = scale
     else:
         stored = _e8m0_from_exponent(torch.frexp(scale)[1] - 1, scale_dtype)
-    q = _fp8_codes(blocks, scale).reshape(*lead, rb * FP8_BLOCK, cb * FP8_BLOCK)[..., :rows, :cols].contiguous()
+    q = _fp8_codes(blocks, scale).reshape(*lead, rb * block[0], cb * block[1])[..., :rows, :cols].contiguous()
     return q, stored.contiguous()
 
 
@@ -287,30 +309,32 @@ def quantized_format(weight_dtype: torch.dtype, name: str = "tensor") -> str:
                             f"got {weight_dtype}")
 
 
-def logical_shape(weight_shape, weight_dtype, scale_shape, scale_dtype, name: str = "tensor") -> tuple[int, ...]:
-    """Validate a (weight, scale) pair from headers alone and return the dequantised shape."""
+def logical_shape(weight_shape, weight_dtype, scale_shape, scale_dtype, name: str = "tensor",
+                  block: Block = FP8_BLOCK_2D) -> tuple[int, ...]:
+    """Validate a (weight, scale) pair from headers alone and return the dequantised shape (`block`: of FP8)."""
     if quantized_format(weight_dtype, name) == "fp8":
-        check_fp8(weight_shape, weight_dtype, scale_shape, scale_dtype, name)
+        check_fp8(weight_shape, weight_dtype, scale_shape, scale_dtype, name, block)
         return tuple(weight_shape)
     check_mxfp4(weight_shape, weight_dtype, scale_shape, scale_dtype, name)
     return mxfp4_logical_shape(weight_shape)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-               name: str = "tensor") -> torch.Tensor:
+               name: str = "tensor", block: Block = FP8_BLOCK_2D) -> torch.Tensor:
     if quantized_format(weight.dtype, name) == "fp8":
-        return dequantize_fp8(weight, scale, dtype, name)
+        return dequantize_fp8(weight, scale, dtype, name, block)
     return dequantize_mxfp4(weight, scale, dtype, name)
 
 
-def scale_shape(fmt: str, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
-    return fp8_scale_shape(shape) if fmt == "fp8" else mxfp4_scale_shape(shape)
+def scale_shape(fmt: str, shape: tuple[int, ...] | torch.Size, block: Block = FP8_BLOCK_2D) -> tuple[int, ...]:
+    return fp8_scale_shape(shape, block) if fmt == "fp8" else mxfp4_scale_shape(shape)
 
 
 def quantize(x: torch.Tensor, fmt: str, scale_dtype: torch.dtype = E8M0, name: str = "tensor",
-             keep_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             keep_scale: torch.Tensor | None = None, block: Block = FP8_BLOCK_2D) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block`: the FP8 scale block (MXFP4's is always 32 elements of a row)."""
     if fmt == "fp8":
-        return quantize_fp8(x, scale_dtype, name, keep_scale)
+        return quantize_fp8(x, scale_dtype, name, keep_scale, block)
     if fmt == "mxfp4":
         return quantize_mxfp4(x, torch.int8, E8M0 if scale_dtype == torch.float32 else scale_dtype, name, keep_scale)
     raise QuantizationError(f"{name}: unknown quantisation format {fmt!r} (fp8 | mxfp4)")

@@ -15,6 +15,11 @@ keeps the source's scale tensors and formats beside the Megatron checkpoint (`Ke
 view's weight names); the export quantises the weights the source quantised, in its formats, each
 with its kept scale wherever that scale still encodes the weight's values exactly
 (modelzoo/deepseek_v4/release/quantization.py, "Kept scales").
+
+Release formats differ in their FP8 block (`fp8_block(name)`: DeepSeek-V4's 128 x 128, V4.1's 32 x 32 and 1 x 32)
+and in scales a model holds as tensors of its own (`own_scale(name)`: DeepSeek-V4.1's Engram tables, whose
+`.scale` the lookup multiplies in): such a pair is shown as two tensors, the FP8 codes cast to the view's dtype
+and the scale as float32, both exact.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from modelzoo.deepseek_v4.release import quantization as q
+from modelzoo.deepseek_v4.release.quantization import Block
 from modelzoo.conversion.files import read_json
 from modelzoo.conversion.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
@@ -46,16 +52,33 @@ def scale_name(weight_name: str, naming: str) -> str:
     return weight_name[: -len(".weight")] + SCALE_SUFFIXES[naming]
 
 
+def _default_block(name: str) -> Block:
+    return q.FP8_BLOCK_2D
+
+
+def _no_own_scales(name: str) -> bool:
+    return False
+
+
 class CheckpointView:
-    """Same interface as CheckpointReader (folder, tensors, names, shape, get, close)."""
+    """Same interface as CheckpointReader (folder, tensors, names, shape, get, close).
+
+    `fp8_block(name)`: the FP8 block of a weight, by its shown name; `own_scale(name)`: whether the stored
+    weight `name`'s scale is a tensor of the model (shown, not consumed)."""
 
     def __init__(self, reader: CheckpointReader, rename: Callable[[str], str] | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, fp8_block: Callable[[str], Block] = _default_block,
+                 own_scale: Callable[[str], bool] = _no_own_scales):
         self.reader, self.folder, self.dtype = reader, reader.folder, dtype
+        self.fp8_block = fp8_block
         rename = rename or (lambda name: name)
         scales: dict[str, str] = {}
+        self._own: dict[str, str] = {}  # shown name -> "codes" | "scale" of a pair the model holds as two tensors
         for name in reader.names():
             weight = weight_of_scale(name)
+            if weight is not None and own_scale(weight) and weight in reader.tensors:
+                self._own[rename(name)], self._own[rename(weight)] = "scale", "codes"
+                continue
             if weight is not None:
                 if weight not in reader.tensors:
                     raise CheckpointError(f"{reader.tensors[name].file}: scale {name} has no weight {weight}")
@@ -71,14 +94,21 @@ class CheckpointView:
                 continue
             where = f"{info.file}: tensor {name}"
             scale = scales.get(name)
-            if scale is not None:
+            target = rename(name)
+            own = self._own.get(target)
+            if own is not None:
+                allowed = (torch.float8_e4m3fn, *q.FLOAT_DTYPES) if own == "codes" else q.FP8_SCALE_DTYPES
+                if info.dtype not in allowed:
+                    raise CheckpointError(f"{where} is {info.dtype}; it must be one of {list(allowed)}")
+                info = TensorInfo(info.file, info.shape, dtype if own == "codes" else torch.float32)
+            elif scale is not None:
                 s_info = reader.tensors[scale]
-                shape = q.logical_shape(info.shape, info.dtype, s_info.shape, s_info.dtype, name=where)
+                shape = q.logical_shape(info.shape, info.dtype, s_info.shape, s_info.dtype, name=where,
+                                        block=fp8_block(target))
                 info = TensorInfo(info.file, shape, dtype)
             elif info.dtype in _UNSCALED_FORBIDDEN or info.dtype in q.MXFP4_PACKED_DTYPES:
                 raise CheckpointError(f"{where} is {info.dtype} but has no scale "
                                       f"({name.removesuffix('.weight')}.scale or .weight_scale_inv)")
-            target = rename(name)
             if target in self.tensors:
                 raise CheckpointError(f"{where}: renamed to {target}, which another tensor already has")
             self.tensors[target] = info
@@ -101,10 +131,15 @@ class CheckpointView:
     def get(self, name: str) -> torch.Tensor:
         stored, scale = self._source[name]
         tensor = self.reader.get(stored)
+        own = self._own.get(name)
+        if own == "codes":  # E4M3 codes (or floats) cast: exact
+            return tensor.to(self.dtype)
+        if own == "scale":
+            return q.scale_to_float(tensor)
         if scale is None:
             return tensor
         return q.dequantize(tensor, self.reader.get(scale), self.dtype,
-                            name=f"{self.tensors[name].file}: tensor {stored}")
+                            name=f"{self.tensors[name].file}: tensor {stored}", block=self.fp8_block(name))
 
     def close(self) -> None:
         self.reader.close()
@@ -116,8 +151,8 @@ class KeptScales:
 
     FORMATS_FILE = "formats.json"
 
-    def __init__(self, folder):
-        self.reader = CheckpointReader(folder)
+    def __init__(self, folder, fp8_block: Callable[[str], Block] = _default_block):
+        self.reader, self.fp8_block = CheckpointReader(folder), fp8_block
         self.formats: dict[str, str] = read_json(Path(folder) / self.FORMATS_FILE, folder)
         if not all(fmt in ("fp8", "mxfp4") for fmt in self.formats.values()):
             raise CheckpointError(f"{Path(folder) / self.FORMATS_FILE} must map weight names to 'fp8' or 'mxfp4'")
@@ -148,7 +183,7 @@ class KeptScales:
         if name not in self.formats:
             return None
         kept = self.reader.get(name)
-        return kept if q.can_keep(kept, fmt, scale_dtype, shape) else None
+        return kept if q.can_keep(kept, fmt, scale_dtype, shape, self.fp8_block(name)) else None
 
     def close(self) -> None:
         self.reader.close()
@@ -163,19 +198,20 @@ def keep_source_scales(reader, folder: Path) -> None:
 def quantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str],
                     fmt_of: Callable[[str], str | None], naming: str, scale_dtype: torch.dtype = q.E8M0,
                     dtype: torch.dtype | None = None, kept: KeptScales | None = None,
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    fp8_block: Callable[[str], Block] = _default_block) -> Iterator[tuple[str, torch.Tensor]]:
     """Rename each tensor; quantise those whose `fmt_of(name)` is 'fp8' | 'mxfp4' and yield their scales.
 
-    `dtype` casts the tensors that stay unquantised (floating point only), e.g. bfloat16. `kept`: the
-    source's scales, used where they fit the requested format.
+    `dtype` casts the tensors that stay unquantised (floating point, not FP8 codes), e.g. bfloat16. `kept`: the
+    source's scales, used where they fit the requested format. `fp8_block(name)`: a weight's FP8 block.
     """
     for name, tensor in tensors:
         out = rename(name)
         fmt = fmt_of(name)
         if fmt is None:
-            yield out, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            cast = dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1
+            yield out, tensor.to(dtype) if cast else tensor
             continue
         keep_scale = kept.scale(name, fmt, scale_dtype, tensor.shape) if kept is not None else None
-        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out, keep_scale=keep_scale)
+        weight, scale = q.quantize(tensor, fmt, scale_dtype, name=out, keep_scale=keep_scale, block=fp8_block(name))
         yield out, weight
         yield scale_name(out, naming), scale

@@ -1,0 +1,215 @@
+"""DeepSeek-V4.1 attention with CSA2 layer roles, tensor-parallel by heads.
+
+    qr = q_norm(wq_a x)                         wq_a replicated (qr also feeds the indexer)
+    q  = rope(wq_b qr)                          wq_b column-parallel: this rank's heads; no per-head norm (V4 has one)
+    kv = rope(kv_norm(wkv x))                   wkv replicated: one K = V head shared by all heads
+    o  = softmax([q.[kv ; selected latents]^T / sqrt(D), sink]) . [kv ; latents]      sinks sharded by heads
+    x  = wo_b(grouped wo_a(rope^-1(o)))         V4's GroupedOutputProjection (by output group) and row-parallel wo_b
+
+CSA2 (see modelzoo/deepseek_v41/config.py for the roles): a KV source's compressor pools its latents and publishes
+them, rotated, with its indexer keys; an index source scores the published keys and publishes its top-k; the
+candidate source also publishes its best blocks, which restrict every later index source; a reuse layer reads the
+published latents and top-k. That state lives for one forward (`CompressedState`, the reference's own class): the
+latents stay in the graph, so the gradients of every layer that reads them reach the source's compressor.
+
+Under tensor parallelism the compressor and the indexer are replicated: every rank computes the same latents,
+scores and picks from the same (all-reduced) input, and the latents' gradient, which each rank has only for its own
+heads, is summed over the ranks where the keys enter the heads (`copy_to_tensor_model_parallel_region`). The
+selection rules (stable top-k, newest candidate block kept) are the reference's functions: they choose indices,
+and parity needs the same choice, ties included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from modelzoo.deepseek_v4.model.attention import GroupedOutputProjection
+from modelzoo.deepseek_v4.model.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryTable,
+    apply_rotary,
+    fp32_param,
+    mark_tensor_parallel,
+)
+from modelzoo.deepseek_v41.config import DeepseekV41Args
+from modelzoo.deepseek_v41.hf_model import (
+    CompressedState,
+    rope_inverse_frequencies,
+    select_candidate_blocks,
+    top_k_mask,
+)
+
+
+def rotary_table(args: DeepseekV41Args, kind: str) -> RotaryTable:
+    """cos/sin of the "main" (ratio-0 layers) or "compress" RoPE (DeepSeek's YaRN, no magnitude scaling)."""
+    return RotaryTable(rope_inverse_frequencies(args.text, kind), 1.0)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the trailing rope channels of x [B, S, D] or [B, S, H, D]; cos / sin [S, R / 2] (negate sin to undo)."""
+    return apply_rotary(x, cos, sin, unsqueeze_dim=0 if x.dim() == 3 else 1)
+
+
+class Compressor(nn.Module):
+    """A KV source's latents, before RoPE: per token at ratio 1, softmax-gated pooling of disjoint groups of r tokens
+    (in fp32) above it; a trailing partial group is not a latent yet."""
+
+    def __init__(self, config, args: DeepseekV41Args, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.linear_kv = ReplicatedLinear(args.hidden_size, args.head_dim, config)
+        self.linear_gate = ReplicatedLinear(args.hidden_size, args.head_dim, config) if ratio > 1 else None
+        self.kv_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear_gate is None:
+            return self.kv_norm(self.linear_kv(x))
+        usable = x.shape[1] // self.ratio * self.ratio
+        grouped = x[:, :usable].float()
+        kv = F.linear(grouped, self.linear_kv.weight.float()).unflatten(1, (-1, self.ratio))
+        gate = F.linear(grouped, self.linear_gate.weight.float()).unflatten(1, (-1, self.ratio))
+        return self.kv_norm((kv * gate.softmax(dim=2)).sum(dim=2).to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """sum_h w_h(x) relu(q_h . k) of every query against every published key. Only a KV source owns the key
+    projection (`linear_k`, `k_layernorm`: its keys come from its own latents). Replicated and frozen (its scores
+    only feed a top-k, which passes no gradient)."""
+
+    def __init__(self, config, args: DeepseekV41Args, owns_keys: bool):
+        super().__init__()
+        self.num_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.linear_q_up_proj = ReplicatedLinear(args.q_lora_rank, self.num_heads * self.head_dim, config)
+        self.linear_weights = ReplicatedLinear(args.hidden_size, self.num_heads, config)
+        if owns_keys:
+            self.linear_k = ReplicatedLinear(args.head_dim, self.head_dim, config)
+            self.k_layernorm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate(self.k_layernorm(self.linear_k(latents)), cos, sin)
+
+    def forward(self, x, q_residual, keys, cos, sin) -> torch.Tensor:
+        """Scores [B, S, T] (fp32), visibility not yet applied."""
+        queries = rotate(self.linear_q_up_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        weights = self.linear_weights(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
+        scores = torch.einsum("bshd,btd->bsht", queries.float(), keys.float()).relu()
+        return (scores * weights[..., None]).sum(dim=2)
+
+
+def sink_attention(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """softmax over [allowed keys, sink] of q.k * scaling, the sink's share dropped, in fp32: queries [..., Q, h, D],
+    keys [..., K, D] (K = V), allowed [..., Q, K] bool -> [..., Q, h, D] in the queries' dtype."""
+    logits = torch.einsum("...qhd,...kd->...hqk", queries.float(), keys.float()) * scaling
+    logits = logits.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
+    probabilities = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("...hqk,...kd->...qhd", probabilities, keys.float()).to(queries.dtype)
+
+
+class DeepseekV41Attention(nn.Module):
+    """One layer's attention; `layer_idx` >= num_layers is a DSpark draft layer (sliding window only)."""
+
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int):
+        super().__init__()
+        text, tp = args.text, config.tensor_model_parallel_size
+        if args.num_heads % tp or args.o_groups % tp:
+            raise ValueError(f"deepseek_v41: tensor parallel size {tp} must divide num_attention_heads "
+                             f"({args.num_heads}) and o_groups ({args.o_groups})")
+        self.layer_idx, self.head_dim, self.local_heads = layer_idx, args.head_dim, args.num_heads // tp
+        self.sliding_window, self.scaling = args.sliding_window, args.head_dim**-0.5
+        self.ratio = text.compress_ratios[layer_idx]
+        backbone = layer_idx < args.num_layers
+        self.is_kv_source = backbone and layer_idx in text.kv_source_layer_ids
+        self.is_index_source = backbone and layer_idx in text.index_source_layer_ids
+        self.is_candidate_source = backbone and layer_idx == text.candidate_source_layer_id
+        self.uses_candidates = backbone and 0 <= text.candidate_source_layer_id < layer_idx
+        self.candidate_topk_blocks, self.candidate_block_size = text.candidate_topk_blocks, text.candidate_block_size
+        self.index_topk = args.index_topk
+
+        self.linear_q_down_proj = ReplicatedLinear(args.hidden_size, args.q_lora_rank, config)
+        self.q_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.linear_q_up_proj = ColumnParallelLinear(
+            args.q_lora_rank, args.num_heads * args.head_dim, config=config, init_method=config.init_method,
+            bias=False, gather_output=False)
+        self.linear_kv = ReplicatedLinear(args.hidden_size, args.head_dim, config)
+        self.kv_layernorm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.linear_o_down_proj = GroupedOutputProjection(
+            config, args.o_groups, args.num_heads * args.head_dim // args.o_groups, args.o_lora_rank, tp)
+        self.linear_proj = RowParallelLinear(
+            args.o_groups * args.o_lora_rank, args.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=False)
+        self.sinks = mark_tensor_parallel(fp32_param(self.local_heads, fill=0.0), dim=0)
+        self.rotary = rotary_table(args, "compress" if self.ratio else "main")
+        self.compress_rotary = rotary_table(args, "compress") if self.ratio else None
+        self.compressor = Compressor(config, args, self.ratio) if self.is_kv_source else None
+        self.indexer = Indexer(config, args, owns_keys=self.is_kv_source) if self.is_index_source else None
+
+    def project_q(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's rotated query heads [B, S, h, D], the query latent qr [B, S, q_lora_rank])."""
+        q_residual = self.q_layernorm(self.linear_q_down_proj(x))
+        queries, _ = self.linear_q_up_proj(q_residual)
+        return rotate(queries.unflatten(-1, (self.local_heads, self.head_dim)), cos, sin), q_residual
+
+    def project_kv(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        return rotate(self.kv_layernorm(self.linear_kv(x)), cos, sin)
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        # K = V is computed on every rank but read only by this rank's heads: sum its gradients
+        keys = tensor_parallel.copy_to_tensor_model_parallel_region(keys)
+        return sink_attention(queries, keys, allowed, self.sinks, self.scaling)
+
+    def output(self, attended: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Undo the query's rotation (K = V carried RoPE), then wo_b(grouped wo_a(.)) (all-reduced)."""
+        attended = rotate(attended, cos, -sin)
+        grouped = self.linear_o_down_proj(attended.flatten(-2).unflatten(-1, (self.linear_o_down_proj.local_groups,
+                                                                               -1)))
+        output, _ = self.linear_proj(grouped.flatten(-2))
+        return output
+
+    def forward(self, x: torch.Tensor, state: CompressedState) -> torch.Tensor:
+        """x [B, S, hidden] (replicated) -> [B, S, hidden] (all-reduced); `state`: what earlier layers published."""
+        seq_len = x.shape[1]
+        positions = torch.arange(seq_len, device=x.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        queries, q_residual = self.project_q(x, cos, sin)
+        keys = self.project_kv(x, cos, sin)
+        offset = positions[:, None] - positions[None, :]
+        allowed = ((offset >= 0) & (offset < self.sliding_window)).expand(x.shape[0], -1, -1)
+        if self.ratio:
+            latents = self.compressed_keys(x, q_residual, state)
+            if latents is not None:
+                keys = torch.cat((keys, latents), dim=1)
+                allowed = torch.cat((allowed, state.selected), dim=-1)
+        return self.output(self.attend(queries, keys, allowed), cos, sin)
+
+    def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState):
+        """Publish (KV source) and select (index source) latents; returns the published latents, None while a row
+        has none yet."""
+        seq_len, ratio = x.shape[1], self.ratio
+        if self.is_kv_source:
+            latents = self.compressor(x)
+            latent_positions = torch.arange(latents.shape[1], device=x.device) * ratio  # latent j sits at j * r
+            cos, sin = self.compress_rotary(latent_positions, x.dtype)
+            state.ratio = ratio
+            state.index_keys = self.indexer.keys(latents, cos, sin)
+            state.kv = rotate(latents, cos, sin)
+        if state.kv is None or state.kv.shape[1] == 0:
+            return None
+        if self.is_index_source:
+            cos, sin = self.compress_rotary(torch.arange(seq_len, device=x.device), x.dtype)
+            scores = self.indexer(x, q_residual, state.index_keys, cos, sin)
+            visible = (torch.arange(seq_len, device=x.device)[:, None] + 1) // ratio  # latent j < (t + 1) // r
+            scores = scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
+            if self.is_candidate_source:
+                state.candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks,
+                                                           self.candidate_block_size)
+            elif self.uses_candidates and state.candidates is not None:
+                scores = scores.masked_fill(~state.candidates, float("-inf"))
+            state.selected = top_k_mask(scores, self.index_topk)
+        return state.kv

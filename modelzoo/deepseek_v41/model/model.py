@@ -1,0 +1,296 @@
+"""The DeepSeek-V4.1 text model on Megatron-Core parallel layers (our reference: modelzoo/deepseek_v41/hf_model.py).
+
+    streams = embed(ids) copied into hc_mult streams; pre = one-hot on stream 0      VocabParallelEmbedding
+    for each layer:                                                                 decoder.layers.N
+        [Engram: streams += gate * value(table[n-gram hashes])]                      row-sharded tables
+        attention site: its (pre, post, comb) from its streams; input collapsed with the previous site's pre
+        FFN site:       its (pre, post, comb); input collapsed with the attention site's pre
+    logits = output_layer(final_norm(collapse(streams, last FFN pre)))             no hc_head
+    DSpark (mtp.layers.K, frozen): draft logits of a block after each position, from the stream means of the
+    target layers' attention inputs                                                 `forward(draft_anchor_ids=...)`
+
+Tensors are batch-first [B, S, ...] like the reference, so the parity path runs the same ops in the same order.
+Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the checkpoint's).
+
+Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
+compressor pools fixed positions from each sequence's start. One pipeline stage, no context or sequence
+parallelism (the provider refuses those layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from modelzoo.layers import gpt_call
+from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
+from modelzoo.deepseek_v4.model.model import DeepseekV4Model
+from modelzoo.deepseek_v41.config import DeepseekV41Args
+from modelzoo.deepseek_v41.mapping import carried_name
+from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
+from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
+from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
+from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
+from modelzoo.provider import keep_fp32
+from modelzoo.layers.sequences import TokenLayout
+
+
+class SinglePassHyperConnection(HyperConnection):
+    """V4's hyper-connection map, whose input collapse uses the previous site's pre instead of its own."""
+
+    def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor):
+        """-> (pre [B, S, N] for the next site, post, comb, collapsed [B, S, hidden], streams)."""
+        pre, post, comb, streams = self.mix(streams)
+        collapsed, streams = collapse(streams, previous_pre)
+        return pre, post, comb, collapsed, streams
+
+
+class DeepseekV41Layer(nn.Module):
+    """One block: attention site and FFN site with single-pass hyper-connections, optionally an Engram (run by the
+    model before the block). `layer_idx` >= num_layers: a DSpark draft layer (sliding window, its own MoE size)."""
+
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
+                  hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, init_std=config.init_method_std)
+        self.attn_hc = SinglePassHyperConnection(**hc)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attention = DeepseekV41Attention(config, args, layer_idx)
+        self.ffn_hc = SinglePassHyperConnection(**hc)
+        self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = DeepseekV41MoE(config, args if layer_idx < args.num_layers else args.draft_moe())
+        engram_ids = args.text.engram_layer_ids
+        self.engram = (DeepseekV41Engram(config, args, args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
+                                         train_engram_tables) if layer_idx in engram_ids else None)
+
+    def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor, attention,
+                padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [B, S, N, hidden], previous_pre [B, S, N]; `attention(x)` runs this layer's attention on the
+        collapsed, normalised input; padding [B, S]: tokens routed to no expert. Returns the new streams and the
+        FFN site's pre."""
+        attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
+        streams = hc_residual(post, comb, attention(self.input_layernorm(collapsed)), streams)
+        ffn_pre, post, comb, collapsed, streams = self.ffn_hc(streams, attn_pre)
+        return hc_residual(post, comb, self.mlp(self.pre_mlp_layernorm(collapsed), None, padding), streams), ffn_pre
+
+
+class DSparkHeads(nn.Module):
+    """The last draft layer's extras: final norm, the Markov head (a logit bias from the previous draft token) and
+    the confidence head. Replicated (small: vocabulary x markov rank)."""
+
+    def __init__(self, config, args: DeepseekV41Args):
+        super().__init__()
+        rank = args.text.dspark_markov_rank
+        self.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.markov_embed = nn.Embedding(args.vocab_size, rank, dtype=config.params_dtype)
+        self.markov_head = ReplicatedLinear(rank, args.vocab_size, config)
+        self.confidence_head = ReplicatedLinear(args.hidden_size + rank, 1, config)
+        with torch.no_grad():
+            config.init_method(self.markov_embed.weight)
+
+
+@dataclasses.dataclass
+class DraftOutput:
+    """DSpark's block after each position t (the tokens after the anchor at t + 1): logits [B, S, K, V] (the whole
+    vocabulary), confidence [B, S, K], and the draft ids [B, S, K] whose Markov biases were used."""
+
+    logits: torch.Tensor
+    confidence: torch.Tensor
+    ids: torch.Tensor
+
+
+class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
+    """The whole model at one pipeline stage. Frozen by default (requires_grad False), as in the reference: the
+    indexers (their scores only feed a top-k), the Engram tables (`train_engram_tables=True` trains them), the
+    DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers."""
+
+    model_type = ModelType.encoder_or_decoder
+
+    def __init__(self, config, args: DeepseekV41Args, padded_vocab_size: int, token_map: torch.Tensor | None,
+                 carried: dict | None = None, train_engram_tables: bool = False):
+        """`token_map`: the Engram's normalised vocabulary (None: a forward is refused; a skeleton needs none);
+        `carried`: name -> (shape, dtype) of the checkpoint tensors held unused for the export."""
+        super().__init__(config=config)
+        self.args, self.hc_mult = args, args.hc_mult
+        self.pre_process = self.post_process = True
+        self.vocab_size, self.max_sequence_length = args.vocab_size, args.text.max_position_embeddings
+        self.share_embeddings_and_output_weights = False
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
+                                                                init_method=config.init_method, config=config)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList()
+        for index in range(args.num_layers):
+            layer = DeepseekV41Layer(config, args, index, train_engram_tables)
+            layer.layer_number = index + 1
+            layer.mlp.router.set_layer_number(layer.layer_number)
+            self.decoder.layers.append(layer)
+        self.decoder.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
+                                                 init_method=config.init_method, bias=False, gather_output=False)
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage)
+                                        for stage in range(args.num_draft_layers))
+        if args.num_draft_layers:
+            first = self.mtp.layers[0]
+            first.main_proj = ReplicatedLinear(args.hidden_size * len(args.text.dspark_target_layer_ids),
+                                               args.hidden_size, config)
+            first.main_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.mtp.layers[-1].heads = DSparkHeads(config, args)
+        self.engram_hasher = DeepseekV41NgramHasher(args.text) if args.text.engram_layer_ids else None
+        if self.engram_hasher is not None and token_map is not None:
+            self.engram_hasher.set_token_map(token_map)
+        self.carried = nn.Module()
+        for name, (shape, dtype) in (carried or {}).items():
+            # replicated, never cast (`keep_fp32` keeps the checkpoint's dtype, whatever it is)
+            self.carried.register_buffer(carried_name(name), keep_fp32(torch.zeros(shape, dtype=dtype)))
+        for name, param in self.named_parameters():
+            if ".indexer." in name or name.startswith("mtp."):
+                param.requires_grad_(False)
+
+    sharded_state_dict = DeepseekV4Model.sharded_state_dict  # reads each tensor's own parallel attributes
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Megatron's schedules call it; at one pipeline stage there is nothing to receive."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, inference_context=None, packed_seq_params=None,
+                extra_block_kwargs=None, runtime_gather_output: bool | None = None, *, inference_params=None,
+                loss_mask: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+                mtp_kwargs: dict | None = None, draft_anchor_ids: torch.Tensor | None = None,
+                draft_ids: torch.Tensor | None = None):
+        """GPTModel's call on plain rows: this rank's vocabulary shard of the logits [B, S, V_padded / tp], or with
+        `labels` the per-token loss [B, S]. With `draft_anchor_ids` [B, S] (the token at t + 1 for each t):
+        (that output, DraftOutput); `draft_ids` [B, S, K - 1] picks the Markov biases (default: greedy)."""
+        gpt_call.refuse_unsupported("DeepSeek-V4.1", inference_context, inference_params, extra_block_kwargs)
+        gpt_call.refuse_mtp_training("DeepSeek-V4.1", mtp_kwargs)
+        if input_ids is None or decoder_input is not None:
+            raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
+        layout = gpt_call.input_layout("DeepSeek-V4.1", input_ids, None, position_ids, attention_mask,
+                                       packed_seq_params, self.max_sequence_length, self.config)
+        if draft_anchor_ids is not None and not layout.plain:
+            raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
+        if layout.plain:
+            hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None)
+        else:
+            hidden = self.each_sequence(input_ids, layout)
+        logits, _ = self.output_layer(hidden)
+        output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
+        if draft_anchor_ids is None:
+            return output
+        if not self.mtp.layers:
+            raise ValueError("deepseek_v41: draft_anchor_ids needs DSpark layers (num_nextn_predict_layers > 0)")
+        if draft_anchor_ids.shape != input_ids.shape:
+            raise ValueError(f"deepseek_v41: draft_anchor_ids must be input_ids' shape {list(input_ids.shape)}, got "
+                             f"{list(draft_anchor_ids.shape)}")
+        return output, self.draft(targets, draft_anchor_ids, draft_ids)
+
+    def each_sequence(self, input_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """A packed or padded batch: its sequences as right-padded rows of one forward (a sequence's tokens then see
+        exactly what they would alone: attention, latents, top-k and n-grams only look back, and the padding goes
+        to no expert), their hidden states put back in place (zeros at padding) [B, S, hidden]."""
+        if not layout.contiguous():
+            raise ValueError("deepseek_v41: the compressor pools each sequence's consecutive tokens from its start; "
+                             "this attention_mask is not causal over runs of consecutive tokens: pass a [batch, 1, 1, "
+                             "seq] padding mask, a causal mask over each row's real tokens, or packed_seq_params")
+        sequences = layout.sequences
+        rows = pad_sequence([input_ids[row, start:start + length] for row, start, length in sequences],
+                            batch_first=True)
+        lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
+        padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
+        hidden_rows, _ = self.backbone(rows, padding)
+        hidden = hidden_rows.new_zeros(*input_ids.shape, hidden_rows.shape[-1])
+        for number, (row, start, length) in enumerate(sequences):
+            hidden[row, start:start + length] = hidden_rows[number, :length]
+        return hidden
+
+    def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False):
+        """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
+        DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
+        routed to no expert."""
+        text = self.args.text
+        if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
+            raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
+                             f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
+        streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        pre = self.first_pre(streams)
+        hash_ids = self.engram_hasher(input_ids, None) if self.engram_hasher is not None else None
+        state, targets = CompressedState(), []
+        for layer in self.decoder.layers:
+            if layer.engram is not None:
+                streams = layer.engram(streams, hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
+            if keep_targets and layer.layer_idx in text.dspark_target_layer_ids:
+                targets.append(streams.float().mean(dim=2).to(streams.dtype))
+            streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state), padding)
+        hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
+        return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
+
+    def first_pre(self, streams: torch.Tensor) -> torch.Tensor:
+        """The first site reads stream 0: pre = one-hot [..., N] (fp32)."""
+        pre = torch.zeros(streams.shape[:-1], dtype=torch.float32, device=streams.device)
+        pre[..., 0] = 1.0
+        return pre
+
+    def full_vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.output_layer(hidden)
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., : self.args.vocab_size].float()
+
+    def draft(self, targets: torch.Tensor, anchor_ids: torch.Tensor, draft_ids: torch.Tensor | None) -> DraftOutput:
+        """The DSpark layers for every anchor position (inference: frozen, the whole vocabulary on every rank)."""
+        text, first, last = self.args.text, self.mtp.layers[0], self.mtp.layers[-1]
+        batch, seq_len = anchor_ids.shape
+        block = text.dspark_block_size
+        main_x = first.main_norm(first.main_proj(targets))
+        block_ids = torch.full((batch, seq_len, block), text.dspark_noise_token_id, device=anchor_ids.device)
+        block_ids[..., 0] = anchor_ids
+        # the layers see [B, S * K] tokens; the attention regroups them by anchor
+        streams = self.embedding.word_embeddings(block_ids.flatten(1)).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        pre = self.first_pre(streams)
+        for layer in self.mtp.layers:
+            streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention:
+                                 draft_attention(attention, x.unflatten(1, (seq_len, block)), main_x).flatten(1, 2))
+        hidden = plain_collapse(pre, streams)
+        heads = last.heads
+        logits = self.full_vocabulary_logits(heads.final_layernorm(hidden)).unflatten(1, (seq_len, block))
+        previous, chosen, embeddings, slots = anchor_ids, [], [], []
+        for slot in range(block):
+            embedding = heads.markov_embed(previous)
+            slots.append(logits[:, :, slot] + heads.markov_head(embedding).float())
+            embeddings.append(embedding)
+            previous = slots[-1].argmax(-1) if draft_ids is None or slot == block - 1 else draft_ids[..., slot]
+            chosen.append(previous)
+        logits = torch.stack(slots, dim=2)
+        joined = torch.cat((hidden.unflatten(1, (seq_len, block)), torch.stack(embeddings, dim=2).to(hidden.dtype)),
+                           dim=-1)
+        confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
+        return DraftOutput(logits, confidence, torch.stack(chosen, dim=-1))
+
+
+def draft_attention(attention: DeepseekV41Attention, x: torch.Tensor, main_x: torch.Tensor) -> torch.Tensor:
+    """x [B, S, K, hidden]: the block of each anchor t (positions t + 1 .. t + K); main_x [B, S, hidden]. Each block
+    query attends the main K/V of positions t - W + 1 .. t and every K/V of its own block."""
+    seq_len, block = x.shape[1], x.shape[2]
+    anchors = torch.arange(seq_len, device=x.device)
+    cos, sin = attention.rotary(anchors, x.dtype)
+    main_kv = attention.project_kv(main_x, cos, sin)                                        # [B, S, D]
+    positions = (anchors[:, None] + 1 + torch.arange(block, device=x.device)).flatten()
+    block_cos, block_sin = attention.rotary(positions, x.dtype)
+    queries, _ = attention.project_q(x.flatten(1, 2), block_cos, block_sin)
+    block_kv = attention.project_kv(x.flatten(1, 2), block_cos, block_sin).unflatten(1, (seq_len, block))
+    queries = queries.unflatten(1, (seq_len, block))                                       # [B, S, K, h, D]
+    offset = anchors[:, None] - anchors[None, :]
+    window = (offset >= 0) & (offset < attention.sliding_window)                           # [anchors, main positions]
+    keys = torch.cat((main_kv[:, None].expand(-1, seq_len, -1, -1), block_kv), dim=2)      # [B, S, S + K, D]
+    allowed = torch.cat((window[:, None, :].expand(-1, block, -1), window.new_ones(seq_len, block, block)), dim=-1)
+    attended = attention.attend(queries, keys, allowed)                                    # [B, S, K, h, D]
+    return attention.output(attended.flatten(1, 2), block_cos, block_sin).unflatten(1, (seq_len, block))
