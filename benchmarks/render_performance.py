@@ -643,7 +643,7 @@ What limits it, and what would move it:
 - Not measured here: TP > 1, DeepSeek-V4's quantised formats, a checkpoint of real size.
 
 `--against CHECKOUT` times another commit's in-process import and export in the same run, each right after ours on
-the same files, and divides our ratio to the baseline by theirs: against {against['against']['commit']}
+the same files, and divides our ratio to the baseline by theirs: against the commit its run names
 {res.cite(own_name, against)}, {', '.join(f"{step} {ratio:.2f}x" for step, ratio in against['against']['time_vs_against'].items())}."""
 
 
