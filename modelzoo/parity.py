@@ -64,8 +64,9 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The oracle with every weight from the checkpoint: transformers would initialise a missing one at random
     and only log it, so a missing, unexpected or mis-shaped tensor is refused here (as the Megatron side does)."""
     provider = build_provider(hf_dir)
-    with _transformers_quiet():  # its load report and progress bar; a mismatch is reported below, in one line
-        model, info = provider.hf_model_class().from_pretrained(hf_dir, dtype=dtype, output_loading_info=True)
+    # _transformers_quiet: its load report and progress bar; a mismatch is reported below, in one line
+    with provider.oracle_checkpoint() as folder, _transformers_quiet():
+        model, info = provider.hf_model_class().from_pretrained(folder, dtype=dtype, output_loading_info=True)
     problems = [f"{what} {', '.join(sorted(map(str, info[kind])))}" for kind, what in
                 (("missing_keys", "missing tensors"), ("unexpected_keys", "unexpected tensors"),
                  ("mismatched_keys", "mis-shaped tensors")) if info[kind]]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV4Config
 
 from modelzoo.conversion import engine
-from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from modelzoo.conversion.files import read_json
+from modelzoo.conversion.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader, ShardedWriter
 from modelzoo.deepseek_v4 import config as v4_config
 from modelzoo.deepseek_v4.mapping import deepseek_v4_mapping
 from modelzoo.provider import ModelProvider
@@ -86,6 +89,30 @@ class DeepseekV4Provider(ModelProvider):
         from transformers import DeepseekV4ForCausalLM  # transformers' modeling code: for the parity oracle only
 
         return DeepseekV4ForCausalLM
+
+    @contextlib.contextmanager
+    def oracle_checkpoint(self):
+        """transformers' loader takes a quantised weight's block size from its scale grid (144 rows over 2 scale
+        rows: blocks of 72), which misreads a partial last block (128 + 16 rows: the native tiny's). Such a
+        release is given to it dequantised under HF names, by the reader `import` uses."""
+        from modelzoo.deepseek_v4.release.checkpoint import checkpoint_view
+
+        view = checkpoint_view(self.hf_dir)
+        try:
+            if not view.partial_blocks():
+                yield self.hf_dir
+                return
+            with tempfile.TemporaryDirectory(prefix="modelzoo-oracle-") as scratch:
+                folder = Path(scratch) / "dequantised"
+                with ShardedWriter(folder) as writer:
+                    for name in view.names():
+                        writer.add(name, view.get(name))
+                    config = read_json(self.hf_dir / "config.json")
+                    config.pop("quantization_config", None)
+                    writer.write_json("config.json", config)
+                yield folder
+        finally:
+            view.close()
 
     def check_supported(self) -> None:
         v4_config.check_supported(self.hf_config, self.config_source)

@@ -18,6 +18,8 @@ mapping table. Every module takes Megatron-Core GPTModel's call (`modelzoo.layer
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -125,6 +127,12 @@ class ModelProvider(ModelBuilding, WeightsIO, InferenceHelpers):
     def hf_model_class(self):
         """The transformers class that is the parity oracle for this architecture."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def oracle_checkpoint(self) -> Iterator[Path]:
+        """The folder the parity oracle loads (`hf_model_class().from_pretrained`): the checkpoint itself, unless
+        the architecture knows that loader misreads it; then a copy it reads right, removed afterwards."""
+        yield self.hf_dir
 
     @classmethod
     def lora_targets(cls) -> TargetTable:

@@ -28,6 +28,31 @@ def test_cli_parity_at_tp2_passes():
     assert main(["parity", str(DEEPSEEK_V4), "--tp", "2"]) == 0
 
 
+def test_cli_parity_of_the_native_tiny_passes_and_leaves_no_copy(tmp_path, monkeypatch):
+    """Its blocks do not tile q_a_proj (144 rows) or the experts' down_proj (48 columns): transformers' loader,
+    which takes the block size from the scale grid, reads those tensors otherwise (the control), so the oracle
+    loads a dequantised copy (`DeepseekV4Provider.oracle_checkpoint`) in a scratch folder that goes afterwards."""
+    from modelzoo import build_provider
+    from modelzoo.parity import load_hf_model
+
+    native = TINY / "deepseek-v4-tiny-native"
+    provider = build_provider(native)
+    with provider.oracle_checkpoint() as folder:
+        assert folder != native
+        copied = load_hf_model(native).state_dict()
+    assert not folder.exists()
+    as_read = provider.hf_model_class().from_pretrained(native).state_dict()
+    differ = sorted({name.split(".", 3)[-1] for name, tensor in copied.items()
+                     if not torch.equal(tensor, as_read[name].to(tensor.dtype))})
+    assert differ == ["mlp.experts.down_proj", "self_attn.q_a_proj.weight"]
+    with build_provider(DEEPSEEK_V4).oracle_checkpoint() as folder:  # blocks that tile: the checkpoint itself
+        assert folder == DEEPSEEK_V4
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert main(["parity", str(native)]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_refuses_an_expert_layout_that_does_not_divide_the_experts(tmp_path, capsys):
     assert main(["import", str(DEEPSEEK_V4), str(tmp_path / "out"), "--ep", "3"]) == 2
     assert "expert parallel size 3 must divide n_routed_experts" in capsys.readouterr().err

@@ -121,6 +121,20 @@ class CheckpointView:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    def partial_blocks(self) -> list[str]:
+        """The quantised tensors (shown names) whose scale blocks do not tile them: a row or column of blocks
+        ends in a partial one (DeepSeek's rule), which a loader that takes the block size from the scale grid
+        misreads."""
+        partial = []
+        for name, (stored, scale) in self._source.items():
+            if scale is None:
+                continue
+            fp8 = q.quantized_format(self.reader.tensors[stored].dtype, stored) == "fp8"
+            block = self.fp8_block(name) if fp8 else (1, q.MX_BLOCK)
+            if any(size % side for size, side in zip(self.tensors[name].shape[-2:], block)):
+                partial.append(name)
+        return partial
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
 
