@@ -23,7 +23,7 @@ through the dispatcher) and TP 2 x CP 2.
   routed to it. They equal the reference's by test_v41_megatron_parity.py's per-tensor scheme
   (dsv41_helpers.grad_tolerances: against the float64 reference, bars from 1e-5 up to 4 x the fp32 reference's own
   error).
-- Each rank holds only its share: 64 / CP tokens.
+- Each rank holds only its share: 64 / CP tokens. DSpark drafts (`draft_anchor_ids`) are refused under CP.
 - The CLI: `logprobs --cp 2` (sequences one at a time and `--pack`) equals the hf backend, and `modelzoo parity
   --cp 2` passes.
 """
@@ -135,6 +135,11 @@ def _rank(rank: int) -> dict:
             row_mask[:, -1] = 0  # the last token has no target
             row_step = _local_step(provider, model, rows, rows.roll(-1, 1), row_mask)
             packed_step = _local_step(provider, model, batch.input_ids, *batch.labels(), batch.packed_seq_params)
+            if (tp, ep, cp) == LAYOUTS[0]:
+                local = context_parallel.split_for_rank(rows)
+                with pytest.raises(ValueError) as refused:
+                    model(local, draft_anchor_ids=local)
+                results["draft refusal"] = str(refused.value)
             results[(tp, ep, cp)] = {
                 "rows": dict(row_step, logprobs=[-row_step["loss"][:, :-1]], whole_tokens=rows.shape[1]),
                 "packed": dict(packed_step, logprobs=[-values[None] for values in batch.split(packed_step["loss"], 1)],
@@ -150,7 +155,10 @@ def ranks():
 
 def _each(ranks):
     for rank, results in enumerate(ranks):
-        for (tp, ep, cp), result in results.items():
+        for layout, result in results.items():
+            if layout not in LAYOUTS:
+                continue
+            tp, ep, cp = layout
             for form in FORMS:
                 yield f"tp{tp} ep{ep} cp{cp} rank{rank} {form}", form, cp, result[form]
 
@@ -178,6 +186,12 @@ def test_gradients_summed_over_the_group_equal_the_reference(ranks, float64_grad
         assert not gradients_too_far(grads, float64_grads[form], tolerances[form]), where
         frozen = [name for name in grads if name not in float64_grads[form]]
         assert frozen and all(grads[name].abs().max() == 0 for name in frozen), where
+
+
+def test_drafts_are_refused_under_context_parallelism(ranks):
+    for results in ranks:
+        assert results["draft refusal"] == ("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark "
+                                            "drafts run without it (pass the whole rows at context parallel size 1)")
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ Tensors are batch-first [B, S, ...] like the reference, so the parity path runs 
 Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the checkpoint's).
 
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
-compressor pools fixed positions from each sequence's start. One pipeline stage, no context or sequence
-parallelism (the provider refuses those layouts).
+compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
+packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage, no
+sequence parallelism (the provider refuses those layouts).
 """
 
 from __future__ import annotations
