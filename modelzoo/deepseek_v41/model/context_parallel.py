@@ -29,21 +29,20 @@ class SequenceShares:
     def __init__(self, layout: TokenLayout):
         self.keys = layout.context_parallel_keys
         whole = layout.whole_rows()
-        batch, self.local_len = layout.shape
-        whole_len = whole.shape[1]
+        self.local_shape = tuple(layout.shape)
+        local_len, whole_len = self.local_shape[1], whole.shape[1]
         queries, keys = [], []
         for row, start, length in whole.sequences:
             mine = torch.nonzero(layout.segment_ids[row] == whole.segment_ids[row, start]).flatten()
-            queries.append(mine + row * self.local_len)
+            queries.append(mine + row * local_len)
             keys.append(torch.arange(length, device=mine.device) + row * whole_len + start)
         self.query_index = pad_sequence(queries, batch_first=True, padding_value=-1)      # [N, Lq] into [B * s]
         self.padding = self.query_index < 0
         self.real_index = self.query_index[~self.padding]
         self.positions = layout.positions.flatten()[self.query_index.clamp_min(0)].masked_fill(self.padding, 0)
-        # a slot past a sequence's end reads the row's first token: it comes after every query of the sequence,
+        # a slot past a sequence's end reads the batch's first token: it comes after every query of the sequence,
         # so no query sees it (window keys, latents) and no n-gram reads it
         self.key_index = pad_sequence(keys, batch_first=True, padding_value=0)             # [N, L] into [B * S]
-        self.local_shape = (batch, self.local_len)
 
     def rows(self, local: torch.Tensor) -> torch.Tensor:
         """[B, s, ...] of this rank's tokens -> [N, Lq, ...] (padding slots read the first token)."""
@@ -51,7 +50,7 @@ class SequenceShares:
 
     def put_back(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, Lq, ...] -> [B, s, ...] in this rank's token order; zeros at tokens of no sequence."""
-        local = rows.new_zeros(self.local_shape[0] * self.local_len, *rows.shape[2:])
+        local = rows.new_zeros(self.local_shape[0] * self.local_shape[1], *rows.shape[2:])
         return local.index_copy(0, self.real_index, rows[~self.padding]).unflatten(0, self.local_shape)
 
     def whole(self, rows: torch.Tensor) -> torch.Tensor:
