@@ -47,6 +47,7 @@ class DeepseekV41Provider(ModelProvider):
     hf_model_types = ("deepseek_v41",)
     hf_architectures = ("DeepseekV41ForCausalLM",)
     has_experts = True
+    supports_context_parallel = True
     engine_naming = "native"  # vLLM and SGLang load V4.1 by its release names (sync.py)
 
     recorded_options = {"carried": dict}

@@ -69,6 +69,42 @@ def relative_errors(ours: dict, reference: dict) -> dict[str, float]:
             for name, ref in reference.items()}
 
 
+# The Megatron model's gradients against the reference's (see test_v41_megatron_parity.py for the measurements):
+# per tensor, max |diff| / max |float64 reference| within GRAD_TOLERANCE (HC_SCALE_TOLERANCE for the hyper-connection
+# scales, three numbers each summing the gradient of every token and stream), or CONDITIONING_FACTOR times the
+# error of the fp32 reference's own gradient of that tensor where that is larger (sums with heavy cancellation).
+LOGPROB_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+HC_SCALE_TOLERANCE = 1e-4
+CONDITIONING_FACTOR = 4
+HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
+
+
+def trainable_reference(folder, dtype: torch.dtype = torch.float32):
+    """Our reference (eval) with its Engram tables made trainable, as the Megatron side's
+    (`train_engram_tables=True`), so that their backward is compared too."""
+    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    for name, param in model.named_parameters():
+        if ".engram.embed.weight" in name:
+            param.requires_grad_(True)
+    return model
+
+
+def grad_tolerances(reference_grads: dict, float64_grads: dict) -> dict[str, float]:
+    """Each tensor's bar for `relative_errors(ours, float64_grads)` (the scheme above)."""
+    conditioning = relative_errors(reference_grads, float64_grads)
+    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
+            for name, error in conditioning.items()}
+
+
+def gradients_too_far(grads: dict, float64_grads: dict, tolerances: dict) -> dict[str, tuple[float, float]]:
+    """name -> (error, bar) of the gradients outside their bar (empty when all pass)."""
+    errors = relative_errors(grads, float64_grads)
+    return {name: (error, tolerances[name]) for name, error in errors.items() if not error <= tolerances[name]}
+
+
 MECHANISMS = ("engram", "candidate restriction", "reuse", "single-pass pre")
 
 

@@ -28,25 +28,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from dsv41_helpers import (
+    LOGPROB_TOLERANCE,
     MECHANISMS,
     V41_TINY,
+    grad_tolerances,
+    gradients_too_far,
     megatron_grads_as_hf,
     megatron_trainable_names,
     next_token_logprobs,
     random_rows,
-    relative_errors,
     switch_off,
+    trainable_reference,
 )
 from safetensors.torch import load_file, save_file
 
 from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, runtime
 
-LOGPROB_TOLERANCE = 1e-5
-GRAD_TOLERANCE = 1e-5
-HC_SCALE_TOLERANCE = 1e-4
-CONDITIONING_FACTOR = 4
-HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
 DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
 MATTERS = 1e-3  # the issue's bar for "a mechanism matters" (as in test_v41_reference.py)
 GROWN_TABLE = "model.layers.1.engram.embed"
@@ -55,12 +53,7 @@ GROWN_TABLE = "model.layers.1.engram.embed"
 def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
     """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
     made trainable)."""
-    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
-
-    model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    for name, param in model.named_parameters():
-        if ".engram.embed.weight" in name:
-            param.requires_grad_(True)
+    model = trainable_reference(folder, dtype)
     output = model(rows, draft_anchor_ids=rows.roll(-1, 1))
     logprobs = next_token_logprobs(output.logits, rows)
     (-logprobs.mean()).backward()
@@ -132,10 +125,8 @@ def float64_grads(grown, rows):
 
 
 @pytest.fixture(scope="module")
-def grad_tolerances(reference, float64_grads):
-    conditioning = relative_errors(reference[2], float64_grads)
-    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
-            for name, error in conditioning.items()}
+def tolerances(reference, float64_grads):
+    return grad_tolerances(reference[2], float64_grads)
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +181,10 @@ def test_dspark_draft_parity(reference, layout, request):
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
-def test_gradient_parity_and_the_same_parameters_train(float64_grads, grad_tolerances, layout, request):
+def test_gradient_parity_and_the_same_parameters_train(float64_grads, tolerances, layout, request):
     for _, _, grads, trainable, _ in _layout_results(layout, request):
         assert trainable == set(float64_grads)
-        errors = relative_errors(grads, float64_grads)
-        too_far = {name: (error, grad_tolerances[name]) for name, error in errors.items()
-                   if not error <= grad_tolerances[name]}
-        assert not too_far
+        assert not gradients_too_far(grads, float64_grads, tolerances)
         frozen = [name for name in grads if name not in float64_grads]
         assert frozen and all(grads[name].abs().max() == 0 for name in frozen)
 

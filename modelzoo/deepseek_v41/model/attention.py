@@ -37,6 +37,7 @@ from modelzoo.deepseek_v4.model.layers import (
     mark_tensor_parallel,
 )
 from modelzoo.deepseek_v41.config import DeepseekV41Args
+from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.hf_model import (
     CompressedState,
     rope_inverse_frequencies,
@@ -51,8 +52,11 @@ def rotary_table(args: DeepseekV41Args, kind: str) -> RotaryTable:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the trailing rope channels of x [B, S, D] or [B, S, H, D]; cos / sin [S, R / 2] (negate sin to undo)."""
-    return apply_rotary(x, cos, sin, unsqueeze_dim=0 if x.dim() == 3 else 1)
+    """RoPE on the trailing rope channels of x [B, S, D] or [B, S, H, D]; cos / sin [S, R / 2], or [B, S, R / 2]
+    where each row has its own positions (negate sin to undo)."""
+    if x.dim() == 3:
+        return rotate(x.unsqueeze(2), cos, sin).squeeze(2)
+    return apply_rotary(x, cos, sin, unsqueeze_dim=cos.dim() - 1)
 
 
 class Compressor(nn.Module):
@@ -67,13 +71,22 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.project(x), x.dtype)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Per token: the latent at ratio 1, else [kv ; gate] in fp32 [B, S, 2 D] (what `pool` groups)."""
         if self.linear_gate is None:
             return self.kv_norm(self.linear_kv(x))
-        usable = x.shape[1] // self.ratio * self.ratio
-        grouped = x[:, :usable].float()
-        kv = F.linear(grouped, self.linear_kv.weight.float()).unflatten(1, (-1, self.ratio))
-        gate = F.linear(grouped, self.linear_gate.weight.float()).unflatten(1, (-1, self.ratio))
-        return self.kv_norm((kv * gate.softmax(dim=2)).sum(dim=2).to(x.dtype))
+        x = x.float()
+        return torch.cat((F.linear(x, self.linear_kv.weight.float()), F.linear(x, self.linear_gate.weight.float())),
+                         dim=-1)
+
+    def pool(self, projected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.linear_gate is None:
+            return projected
+        usable = projected.shape[1] // self.ratio * self.ratio
+        kv, gate = projected[:, :usable].unflatten(1, (-1, self.ratio)).chunk(2, dim=-1)
+        return self.kv_norm((kv * gate.softmax(dim=2)).sum(dim=2).to(dtype))
 
 
 class Indexer(nn.Module):
@@ -110,6 +123,11 @@ def sink_attention(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Ten
     sink = sinks.float().view(-1, 1, 1).expand(*logits.shape[:-1], 1)
     probabilities = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
     return torch.einsum("...hqk,...kd->...qhd", probabilities, keys.float()).to(queries.dtype)
+
+
+def query_positions(x: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
+    """The queries' positions in their sequences: [S] for whole rows x [B, S, ...], [B, S] for this CP rank's."""
+    return torch.arange(x.shape[1], device=x.device) if shares is None else shares.positions
 
 
 class DeepseekV41Attention(nn.Module):
@@ -172,28 +190,32 @@ class DeepseekV41Attention(nn.Module):
         output, _ = self.linear_proj(grouped.flatten(-2))
         return output
 
-    def forward(self, x: torch.Tensor, state: CompressedState) -> torch.Tensor:
-        """x [B, S, hidden] (replicated) -> [B, S, hidden] (all-reduced); `state`: what earlier layers published."""
-        seq_len = x.shape[1]
-        positions = torch.arange(seq_len, device=x.device)
+    def forward(self, x: torch.Tensor, state: CompressedState, shares: SequenceShares | None = None) -> torch.Tensor:
+        """x [B, S, hidden] (replicated) -> [B, S, hidden] (all-reduced); `state`: what earlier layers published.
+        With `shares` (context parallelism) x is this rank's tokens of each sequence, the keys every rank's."""
+        positions = query_positions(x, shares)
         cos, sin = self.rotary(positions, x.dtype)
         queries, q_residual = self.project_q(x, cos, sin)
         keys = self.project_kv(x, cos, sin)
-        offset = positions[:, None] - positions[None, :]
+        if shares is not None:
+            keys = shares.whole(keys)
+        offset = positions[..., :, None] - torch.arange(keys.shape[1], device=x.device)
         allowed = ((offset >= 0) & (offset < self.sliding_window)).expand(x.shape[0], -1, -1)
         if self.ratio:
-            latents = self.compressed_keys(x, q_residual, state)
+            latents = self.compressed_keys(x, q_residual, state, shares)
             if latents is not None:
                 keys = torch.cat((keys, latents), dim=1)
                 allowed = torch.cat((allowed, state.selected), dim=-1)
         return self.output(self.attend(queries, keys, allowed), cos, sin)
 
-    def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState):
+    def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
+                        shares: SequenceShares | None = None):
         """Publish (KV source) and select (index source) latents; returns the published latents, None while a row
-        has none yet."""
-        seq_len, ratio = x.shape[1], self.ratio
+        has none yet. Under context parallelism the latents pool the whole sequences; the selection is per query."""
+        ratio = self.ratio
         if self.is_kv_source:
-            latents = self.compressor(x)
+            latents = self.compressor(x) if shares is None else \
+                self.compressor.pool(shares.whole(self.compressor.project(x)), x.dtype)
             latent_positions = torch.arange(latents.shape[1], device=x.device) * ratio  # latent j sits at j * r
             cos, sin = self.compress_rotary(latent_positions, x.dtype)
             state.ratio = ratio
@@ -202,9 +224,10 @@ class DeepseekV41Attention(nn.Module):
         if state.kv is None or state.kv.shape[1] == 0:
             return None
         if self.is_index_source:
-            cos, sin = self.compress_rotary(torch.arange(seq_len, device=x.device), x.dtype)
+            positions = query_positions(x, shares)
+            cos, sin = self.compress_rotary(positions, x.dtype)
             scores = self.indexer(x, q_residual, state.index_keys, cos, sin)
-            visible = (torch.arange(seq_len, device=x.device)[:, None] + 1) // ratio  # latent j < (t + 1) // r
+            visible = (positions[..., None] + 1) // ratio  # latent j < (t + 1) // r
             scores = scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
             if self.is_candidate_source:
                 state.candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks,

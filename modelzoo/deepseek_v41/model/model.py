@@ -13,8 +13,10 @@ Tensors are batch-first [B, S, ...] like the reference, so the parity path runs 
 Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the checkpoint's).
 
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
-compressor pools fixed positions from each sequence's start. One pipeline stage, no context or sequence
-parallelism (the provider refuses those layouts).
+compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
+packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage, no
+sequence parallelism (the provider refuses those layouts).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.mapping import carried_name
 from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
 from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
+from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
 from modelzoo.provider import keep_fp32
@@ -178,9 +181,14 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
         layout = gpt_call.input_layout("DeepSeek-V4.1", input_ids, None, position_ids, attention_mask,
                                        packed_seq_params, self.max_sequence_length, self.config)
+        if draft_anchor_ids is not None and layout.context_parallel_keys is not None:
+            raise ValueError("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark drafts run "
+                             "without it (pass the whole rows at context parallel size 1)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
-        if layout.plain:
+        if layout.context_parallel_keys is not None:
+            hidden = self.context_parallel_share(input_ids, layout)
+        elif layout.plain:
             hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None)
         else:
             hidden = self.each_sequence(input_ids, layout)
@@ -214,26 +222,43 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             hidden[row, start:start + length] = hidden_rows[number, :length]
         return hidden
 
-    def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False):
+    def context_parallel_share(self, input_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """This CP rank's share of the rows (`layout`: Megatron's layout): its tokens of each sequence as a right-
+        padded row of one forward, whose keys are the whole sequences gathered over the group (SequenceShares);
+        their hidden states put back in this rank's order (zeros at tokens of no sequence) [B, s, hidden]."""
+        shares = SequenceShares(layout)
+        hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares)
+        return shares.put_back(hidden_rows)
+
+    def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
+                 shares: SequenceShares | None = None):
         """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
         DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
-        routed to no expert."""
+        routed to no expert. `shares`: the rows are this CP rank's tokens of each sequence (context_parallel_share)."""
         text = self.args.text
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
         streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
         pre = self.first_pre(streams)
-        hash_ids = self.engram_hasher(input_ids, None) if self.engram_hasher is not None else None
+        hash_ids = self.engram_hashes(input_ids, shares) if self.engram_hasher is not None else None
         state, targets = CompressedState(), []
         for layer in self.decoder.layers:
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
             if keep_targets and layer.layer_idx in text.dspark_target_layer_ids:
                 targets.append(streams.float().mean(dim=2).to(streams.dtype))
-            streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state), padding)
+            streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
+                                 padding)
         hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
         return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
+
+    def engram_hashes(self, input_ids: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
+        """The n-gram hash ids of each token [B, S, engram layers, columns]; under context parallelism the n-grams
+        reach into other ranks' tokens, so the whole sequences' ids are gathered and hashed."""
+        if shares is None:
+            return self.engram_hasher(input_ids, None)
+        return shares.at_positions(self.engram_hasher(shares.whole(input_ids), None))
 
     def first_pre(self, streams: torch.Tensor) -> torch.Tensor:
         """The first site reads stream 0: pre = one-hot [..., N] (fp32)."""
