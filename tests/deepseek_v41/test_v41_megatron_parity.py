@@ -18,7 +18,8 @@ summed over every token; the first layers' hyper-connection maps): a 1e-5 bar ag
 summation order, not correctness (measured: ours 1.1e-4, the fp32 reference 6.9e-5 from float64 on layer 1's
 engram q_weight; 1e-5 or less on most tensors). EP 2: the two ranks are data-parallel replicas with one row each;
 the dense gradients are summed over them (what DDP does), the experts' are not (each expert already saw both rows).
-Round trips move values only: bit-exact.
+Round trips move values only: bit-exact. The tolerances and the runs of both models are dsv41_helpers', shared with
+test_v41_fake_quant.py.
 """
 
 import json
@@ -26,14 +27,16 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from dsv41_helpers import (
+    DRAFT_TOLERANCE,
+    LOGPROB_TOLERANCE,
     MECHANISMS,
     V41_TINY,
-    megatron_grads_as_hf,
-    megatron_trainable_names,
+    grad_tolerances,
+    megatron_run,
     next_token_logprobs,
     random_rows,
+    reference_run,
     relative_errors,
     switch_off,
 )
@@ -42,56 +45,8 @@ from safetensors.torch import load_file, save_file
 from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, runtime
 
-LOGPROB_TOLERANCE = 1e-5
-GRAD_TOLERANCE = 1e-5
-HC_SCALE_TOLERANCE = 1e-4
-CONDITIONING_FACTOR = 4
-HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
-DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
 MATTERS = 1e-3  # the issue's bar for "a mechanism matters" (as in test_v41_reference.py)
 GROWN_TABLE = "model.layers.1.engram.embed"
-
-
-def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
-    made trainable)."""
-    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
-
-    model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    for name, param in model.named_parameters():
-        if ".engram.embed.weight" in name:
-            param.requires_grad_(True)
-    output = model(rows, draft_anchor_ids=rows.roll(-1, 1))
-    logprobs = next_token_logprobs(output.logits, rows)
-    (-logprobs.mean()).backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-    draft = (output.draft_logits.detach(), output.draft_confidence.detach(), output.draft_ids)
-    return logprobs.detach(), draft, grads
-
-
-def megatron_run(folder, rows: torch.Tensor, tp: int, ep: int, rank: int, checkpoint=None):
-    from megatron.core import parallel_state
-
-    with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(folder, train_engram_tables=True)
-        model = provider.provide()
-        provider.load_hf_weights(model, progress=False)
-        model.eval()
-        exported = dict(provider.export_hf_weights(model))
-        if checkpoint is not None:
-            megatron_ckpt.save(model, checkpoint, metadata={"architecture": "deepseek_v41", "tp": tp, "ep": ep})
-        mine = rows if ep == 1 else rows[rank:rank + 1]  # EP ranks are data-parallel replicas: different rows
-        logits, draft = model(mine, draft_anchor_ids=mine.roll(-1, 1), runtime_gather_output=True)
-        logprobs = next_token_logprobs(logits[..., :provider.vocab_size], mine)
-        (-logprobs.sum() / rows[:, 1:].numel()).backward()  # = the reference's -mean over the whole batch
-        if ep > 1:
-            for param in model.parameters():  # the data-parallel sum of the dense (non-expert) gradients
-                if getattr(param, "allreduce", True) and param.grad is not None:
-                    dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
-        trainable = megatron_trainable_names(provider, model)
-        grads = megatron_grads_as_hf(provider, model)
-        return (logprobs.detach(), (draft.logits.detach(), draft.confidence.detach(), draft.ids),
-                grads, trainable, exported if rank == 0 else sorted(exported))
 
 
 def _both_layouts(rank: int, folder, rows, checkpoints):
@@ -132,10 +87,8 @@ def float64_grads(grown, rows):
 
 
 @pytest.fixture(scope="module")
-def grad_tolerances(reference, float64_grads):
-    conditioning = relative_errors(reference[2], float64_grads)
-    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
-            for name, error in conditioning.items()}
+def tolerances(reference, float64_grads):
+    return grad_tolerances(reference[2], float64_grads)
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +143,12 @@ def test_dspark_draft_parity(reference, layout, request):
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "ep2"])
-def test_gradient_parity_and_the_same_parameters_train(float64_grads, grad_tolerances, layout, request):
+def test_gradient_parity_and_the_same_parameters_train(float64_grads, tolerances, layout, request):
     for _, _, grads, trainable, _ in _layout_results(layout, request):
         assert trainable == set(float64_grads)
         errors = relative_errors(grads, float64_grads)
-        too_far = {name: (error, grad_tolerances[name]) for name, error in errors.items()
-                   if not error <= grad_tolerances[name]}
+        too_far = {name: (error, tolerances[name]) for name, error in errors.items()
+                   if not error <= tolerances[name]}
         assert not too_far
         frozen = [name for name in grads if name not in float64_grads]
         assert frozen and all(grads[name].abs().max() == 0 for name in frozen)
