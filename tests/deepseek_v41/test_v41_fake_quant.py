@@ -19,6 +19,8 @@ tensors above 1e-5, against 7.3e-5 and 46 without it): the quantised forward's g
 """
 
 import contextlib
+import json
+import shutil
 
 import pytest
 import torch
@@ -35,7 +37,7 @@ from dsv41_helpers import (
 
 import modelzoo.deepseek_v41.hf_model as reference_module
 import modelzoo.deepseek_v41.model.attention as megatron_attention
-from modelzoo import runtime
+from modelzoo import build_provider, runtime
 
 QUANTISERS = ("fake_quant_fp4", "fake_quant_fp8")
 
@@ -168,3 +170,43 @@ def test_gradients_match_the_quantising_reference(float64_run, tolerances, layou
         too_far = {name: (error, tolerances[name]) for name, error in errors.items()
                    if not error <= tolerances[name]}
         assert not too_far
+
+
+def test_cli_logprobs_with_fake_quant(rows, tmp_path):
+    """`modelzoo logprobs --fake-quant`: the Megatron backend within LOGPROB_TOLERANCE of the quantising reference,
+    each row alone (as the command runs them); the hf backend is the quantising reference itself (bit-equal), and
+    without the flag it is not."""
+    from dsv41_helpers import load_tiny, next_token_logprobs
+
+    from modelzoo.conversion.cli import main
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(rows.tolist()))
+    reference = load_tiny()
+    with torch.no_grad():
+        expected = [next_token_logprobs(reference(row[None], fake_quant=True).logits, row[None])[0] for row in rows]
+
+    def logprobs(*flags):
+        out = tmp_path / f"{'-'.join(flags)}.json"
+        assert main(["logprobs", str(V41_TINY), "--tokens", str(tokens), "--out", str(out), *flags]) == 0
+        return [torch.tensor(values) for values in json.loads(out.read_text())["logprobs"]]
+
+    for ours, wanted in zip(logprobs("--fake-quant"), expected):
+        assert (ours - wanted).abs().max().item() <= LOGPROB_TOLERANCE
+    assert all(torch.equal(ours, wanted) for ours, wanted in zip(logprobs("--fake-quant", "--backend", "hf"), expected))
+    unquantised = logprobs("--backend", "hf")
+    assert all((ours - wanted).abs().max().item() > LOGPROB_TOLERANCE for ours, wanted in zip(unquantised, expected))
+
+
+def test_a_config_the_rounding_blocks_do_not_tile_is_refused(tmp_path):
+    """FP8 / FP4 scales cover 32 channels (16 for the compressed K/V): a head_dim of 48 cannot be rounded so; refused
+    when the provider is built (the reference would fail at its first forward), and accepted without the setting."""
+    folder = tmp_path / "head-dim-48"
+    shutil.copytree(V41_TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["head_dim"] = 48
+    (folder / "config.json").write_text(json.dumps(config))
+    build_provider(folder)
+    with pytest.raises(ValueError, match=r"fake_quant=True needs head_dim \(48\) and index_head_dim \(32\) of .* to be "
+                                         r"multiples of 32"):
+        build_provider(folder, fake_quant=True)
