@@ -147,8 +147,8 @@ def test_every_tensor_parallel_rank_rounds_the_same_values(tp2):
 
 
 def test_the_setting_changes_the_log_probs(reference, tp1_off):
-    """Without the setting our log-probs are far from the quantising reference's (measured 1.85 on the tiny, whose
-    small weights FP4 rounds coarsely), so the parity above cannot pass without it."""
+    """Without the setting our log-probs are far from the quantising reference's (measured: 1.85), so the parity
+    above cannot pass without it."""
     assert (tp1_off[0] - reference[0]).abs().max().item() > LOGPROB_TOLERANCE
 
 
