@@ -29,7 +29,9 @@ from dsv41_helpers import (
     LOGPROB_TOLERANCE,
     V41_TINY,
     grad_tolerances,
+    load_tiny,
     megatron_run,
+    next_token_logprobs,
     random_rows,
     reference_run,
     relative_errors,
@@ -176,8 +178,6 @@ def test_cli_logprobs_with_fake_quant(rows, tmp_path):
     """`modelzoo logprobs --fake-quant`: the Megatron backend within LOGPROB_TOLERANCE of the quantising reference,
     each row alone (as the command runs them); the hf backend is the quantising reference itself (bit-equal), and
     without the flag it is not."""
-    from dsv41_helpers import load_tiny, next_token_logprobs
-
     from modelzoo.conversion.cli import main
 
     tokens = tmp_path / "tokens.json"
