@@ -309,7 +309,8 @@ def cmd_logprobs(args) -> int:
     else:
         batches = [torch.tensor([seq]) for seq in sequences]  # one sequence a batch: lengths differ, no padding
         if args.backend == "hf":
-            outputs = hf_outputs(args.hf_dir, batches, dtype, allow_non_finite=args.allow_non_finite)
+            outputs = hf_outputs(args.hf_dir, batches, dtype, allow_non_finite=args.allow_non_finite,
+                                 options=_architecture_options(args, "provider"))
         else:
             outputs = megatron_outputs(args.hf_dir, batches, args.tp, dtype, args.attention, with_logits=False,
                                        ep=args.ep, options=_provider_options(args),
@@ -347,7 +348,8 @@ def cmd_parity(args) -> int:
         allow_non_finite=args.allow_non_finite, cp=args.cp, pp=args.pp)
     alone = [torch.tensor([sequence]) for sequence in packed]
     [(hf_logprobs, hf_logits), *hf_alone] = hf_outputs(args.hf_dir, [ids, *alone], dtype,
-                                                   allow_non_finite=args.allow_non_finite)
+                                                   allow_non_finite=args.allow_non_finite,
+                                                   options=_architecture_options(args, "provider"))
     packed_diff = max((ours - theirs[0][0]).abs().max().item() for ours, theirs in zip(megatron_packed, hf_alone)
                       if ours.numel())
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 2e-2)

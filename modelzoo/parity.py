@@ -78,17 +78,21 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
 
 @torch.no_grad()
 def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32,
-               allow_non_finite: bool = False):
+               allow_non_finite: bool = False, options: dict | None = None):
     """For each batch of token ids: (token logprobs [b, s-1] fp32, logits [b, s, vocab] fp32) of the HF model
-    (full-sequence forward); the model is loaded once for all batches, once the checkpoint is checked."""
+    (full-sequence forward); the model is loaded once for all batches, once the checkpoint is checked.
+    `options`: the architecture's `build_provider` keywords the Megatron side runs with; the oracle's forward
+    takes what they ask of it (`oracle_forward_kwargs`)."""
     with runtime.parallel(), validation.non_finite_allowed(allow_non_finite):
         # in the dtype the HF model is loaded in: a value finite as stored may not be once cast
-        check_before_building(build_provider(hf_dir, params_dtype=dtype), read_values=True)
+        provider = build_provider(hf_dir, params_dtype=dtype, **(options or {}))
+        check_before_building(provider, read_values=True)
     check_files_of(hf_dir)  # transformers opens whichever files it looks for: none may lead out of the folder
     model = load_hf_model(hf_dir, dtype).to(runtime.device())
     outputs = []
     for input_ids in batches:
-        logits = model(input_ids.to(runtime.device()), use_cache=False).logits.float().cpu()
+        logits = model(input_ids.to(runtime.device()), use_cache=False,
+                       **provider.oracle_forward_kwargs()).logits.float().cpu()
         outputs.append((logprobs_from_logits(logits, input_ids), logits))
     return outputs
 

@@ -41,7 +41,10 @@ class _ModelNamings:
 
 @register
 class DeepseekV41Provider(ModelProvider):
-    """`train_engram_tables=True`: the Engram tables train (frozen by default, as in the release's fine-tuning)."""
+    """`train_engram_tables=True`: the Engram tables train (frozen by default, as in the release's fine-tuning).
+    `fake_quant=True`: every forward rounds the window K/V to FP8 and the compressed K/V and indexer queries and keys
+    to FP4, as the release's inference stores them, with straight-through gradients (model/attention.py); the parity
+    oracle then runs our reference with `fake_quant=True`."""
 
     name = "deepseek_v41"
     hf_model_types = ("deepseek_v41",)
@@ -60,13 +63,19 @@ class DeepseekV41Provider(ModelProvider):
                       "help": "routed-expert format with --quantize"},
         "--scale-format": {"commands": ("export",), "passed_to": "save", "choices": ("keep", "e8m0", "f32"),
                            "default": "keep", "help": "FP8 scale format (keep: the source checkpoint's)"},
+        "--fake-quant": {"commands": ("logprobs", "parity"), "passed_to": "provider", "action": "store_true",
+                         "default": False,
+                         "help": "round the window K/V to FP8 and the compressed K/V and indexer queries and keys to "
+                                 "FP4 in every forward, as the release's inference does (parity: against the "
+                                 "reference doing the same)"},
     }
 
     def __init__(self, hf_config, hf_dir=None, attention: str = "exact", params_dtype: torch.dtype = torch.float32,
-                 train_engram_tables: bool = False, carried: dict | None = None, **config_overrides):
+                 train_engram_tables: bool = False, fake_quant: bool = False, carried: dict | None = None,
+                 **config_overrides):
         """`carried`: {name: [shape, dtype name]} of the tensors carried for the export, as a Megatron checkpoint
         records them (its HF side has no weights to read them from); default: the checkpoint folder's."""
-        self.train_engram_tables = train_engram_tables
+        self.train_engram_tables, self.fake_quant = train_engram_tables, fake_quant
         self._carried = None if carried is None else carried_from_record(carried, hf_dir)
         # the composite config.json (text_config, vision_config); `hf_config` is its text config, whose fields
         # (vocab_size, max_position_embeddings, num_hidden_layers) the generic code reads
@@ -92,6 +101,11 @@ class DeepseekV41Provider(ModelProvider):
                              "the exact (eager) attention")
         if self.config_overrides.get("sequence_parallel"):
             raise ValueError("deepseek_v41: sequence parallelism is not implemented")
+        text = self.hf_config
+        if self.fake_quant and (text.head_dim % 32 or text.index_head_dim % 32):
+            raise ValueError(f"deepseek_v41: fake_quant=True needs head_dim ({text.head_dim}) and index_head_dim "
+                             f"({text.index_head_dim}) of {self.config_source} to be multiples of 32, the channels "
+                             "of one FP8 / FP4 scale")
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         super().check_parallel_layout(tp, ep, cp, pp)
@@ -185,7 +199,10 @@ class DeepseekV41Provider(ModelProvider):
 
         token_map = None if config.init_model_with_meta_device else self.engram_token_map()
         return DeepseekV41Model(config, self.args, self.padded_vocab_size(), token_map, self.carried_tensors(),
-                                self.train_engram_tables)
+                                self.train_engram_tables, self.fake_quant)
+
+    def oracle_forward_kwargs(self) -> dict:
+        return {"fake_quant": True} if self.fake_quant else {}
 
     def mapping(self):
         return deepseek_v41_mapping(self.hf_config, self.carried_tensors())

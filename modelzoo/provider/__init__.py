@@ -134,6 +134,11 @@ class ModelProvider(ModelBuilding, WeightsIO, InferenceHelpers):
         the architecture knows that loader misreads it; then a copy it reads right, removed afterwards."""
         yield self.hf_dir
 
+    def oracle_forward_kwargs(self) -> dict[str, Any]:
+        """Keywords of the parity oracle's forward that make it compute what this provider's model computes (an
+        option of the model that the oracle takes at its call, not from the checkpoint)."""
+        return {}
+
     @classmethod
     def lora_targets(cls) -> TargetTable:
         """The modules LoRA adapts and refuses (`LORA_TARGETS`, data in the architecture's lora.py)."""

@@ -69,15 +69,28 @@ def relative_errors(ours: dict, reference: dict) -> dict[str, float]:
             for name, ref in reference.items()}
 
 
-# The Megatron model's gradients against the reference's (see test_v41_megatron_parity.py for the measurements):
-# per tensor, max |diff| / max |float64 reference| within GRAD_TOLERANCE (HC_SCALE_TOLERANCE for the hyper-connection
-# scales, three numbers each summing the gradient of every token and stream), or CONDITIONING_FACTOR times the
-# error of the fp32 reference's own gradient of that tensor where that is larger (sums with heavy cancellation).
-LOGPROB_TOLERANCE = 1e-5
+# Megatron against our reference (test_v41_megatron_parity.py's module docstring gives the reasons and measurements)
+LOGPROB_TOLERANCE = 1e-5  # the same fp32 math in another summation order
+DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
+# Gradients against the reference's float64 gradient, per tensor as max |diff| / max |reference|
 GRAD_TOLERANCE = 1e-5
-HC_SCALE_TOLERANCE = 1e-4
-CONDITIONING_FACTOR = 4
+HC_SCALE_TOLERANCE = 1e-4  # hc_*_scale: three numbers each, summing the gradient of every token and stream
+CONDITIONING_FACTOR = 4  # times the fp32 reference's own error on a tensor, where that is larger
 HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
+
+
+def grad_tolerances(fp32_grads: dict, float64_grads: dict) -> dict[str, float]:
+    """The bar of each tensor: GRAD_TOLERANCE (HC_SCALE_TOLERANCE for hc_*_scale), or CONDITIONING_FACTOR times the
+    fp32 reference's own error against its float64 gradient, where that is larger."""
+    conditioning = relative_errors(fp32_grads, float64_grads)
+    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
+            for name, error in conditioning.items()}
+
+
+def gradients_too_far(grads: dict, float64_grads: dict, tolerances: dict) -> dict[str, tuple[float, float]]:
+    """name -> (error, bar) of the gradients outside their bar (empty when all pass)."""
+    errors = relative_errors(grads, float64_grads)
+    return {name: (error, tolerances[name]) for name, error in errors.items() if not error <= tolerances[name]}
 
 
 def trainable_reference(folder, dtype: torch.dtype = torch.float32):
@@ -92,17 +105,49 @@ def trainable_reference(folder, dtype: torch.dtype = torch.float32):
     return model
 
 
-def grad_tolerances(reference_grads: dict, float64_grads: dict) -> dict[str, float]:
-    """Each tensor's bar for `relative_errors(ours, float64_grads)` (the scheme above)."""
-    conditioning = relative_errors(reference_grads, float64_grads)
-    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
-            for name, error in conditioning.items()}
+def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32, fake_quant: bool = False):
+    """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
+    made trainable)."""
+    model = trainable_reference(folder, dtype)
+    output = model(rows, draft_anchor_ids=rows.roll(-1, 1), fake_quant=fake_quant)
+    logprobs = next_token_logprobs(output.logits, rows)
+    (-logprobs.mean()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    draft = (output.draft_logits.detach(), output.draft_confidence.detach(), output.draft_ids)
+    return logprobs.detach(), draft, grads
 
 
-def gradients_too_far(grads: dict, float64_grads: dict, tolerances: dict) -> dict[str, tuple[float, float]]:
-    """name -> (error, bar) of the gradients outside their bar (empty when all pass)."""
-    errors = relative_errors(grads, float64_grads)
-    return {name: (error, tolerances[name]) for name, error in errors.items() if not error <= tolerances[name]}
+def megatron_run(folder, rows: torch.Tensor, tp: int, ep: int, rank: int, checkpoint=None, fake_quant: bool = False):
+    """The Megatron model of `folder` (Engram tables trainable) on tp x ep ranks, as `rank` sees it: (token
+    log-probs, (draft logits, confidence, ids), gradients of the reference's loss by checkpoint name, the names of the
+    trainable parameters, its HF export: the tensors on rank 0, their names elsewhere). EP ranks are data-parallel
+    replicas with one row each; the dense gradients are summed over them. `checkpoint`: a folder to save it to."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from modelzoo import build_provider, runtime
+    from modelzoo.conversion import megatron_ckpt
+
+    with runtime.parallel(tp=tp, ep=ep):
+        provider = build_provider(folder, train_engram_tables=True, fake_quant=fake_quant)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        model.eval()
+        exported = dict(provider.export_hf_weights(model))
+        if checkpoint is not None:
+            megatron_ckpt.save(model, checkpoint, metadata={"architecture": "deepseek_v41", "tp": tp, "ep": ep})
+        mine = rows if ep == 1 else rows[rank:rank + 1]  # EP ranks are data-parallel replicas: different rows
+        logits, draft = model(mine, draft_anchor_ids=mine.roll(-1, 1), runtime_gather_output=True)
+        logprobs = next_token_logprobs(logits[..., :provider.vocab_size], mine)
+        (-logprobs.sum() / rows[:, 1:].numel()).backward()  # = the reference's -mean over the whole batch
+        if ep > 1:
+            for param in model.parameters():  # the data-parallel sum of the dense (non-expert) gradients
+                if getattr(param, "allreduce", True) and param.grad is not None:
+                    dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
+        trainable = megatron_trainable_names(provider, model)
+        grads = megatron_grads_as_hf(provider, model)
+        return (logprobs.detach(), (draft.logits.detach(), draft.confidence.detach(), draft.ids),
+                grads, trainable, exported if rank == 0 else sorted(exported))
 
 
 MECHANISMS = ("engram", "candidate restriction", "reuse", "single-pass pre")

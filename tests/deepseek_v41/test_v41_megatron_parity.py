@@ -18,7 +18,8 @@ summed over every token; the first layers' hyper-connection maps): a 1e-5 bar ag
 summation order, not correctness (measured: ours 1.1e-4, the fp32 reference 6.9e-5 from float64 on layer 1's
 engram q_weight; 1e-5 or less on most tensors). EP 2: the two ranks are data-parallel replicas with one row each;
 the dense gradients are summed over them (what DDP does), the experts' are not (each expert already saw both rows).
-Round trips move values only: bit-exact.
+Round trips move values only: bit-exact. The tolerances and the runs of both models are dsv41_helpers', shared with
+test_v41_fake_quant.py.
 """
 
 import json
@@ -26,65 +27,26 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from dsv41_helpers import (
+    DRAFT_TOLERANCE,
     LOGPROB_TOLERANCE,
     MECHANISMS,
     V41_TINY,
     grad_tolerances,
     gradients_too_far,
-    megatron_grads_as_hf,
-    megatron_trainable_names,
+    megatron_run,
     next_token_logprobs,
     random_rows,
+    reference_run,
     switch_off,
-    trainable_reference,
 )
 from safetensors.torch import load_file, save_file
 
 from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, runtime
 
-DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
 MATTERS = 1e-3  # the issue's bar for "a mechanism matters" (as in test_v41_reference.py)
 GROWN_TABLE = "model.layers.1.engram.embed"
-
-
-def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
-    made trainable)."""
-    model = trainable_reference(folder, dtype)
-    output = model(rows, draft_anchor_ids=rows.roll(-1, 1))
-    logprobs = next_token_logprobs(output.logits, rows)
-    (-logprobs.mean()).backward()
-    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-    draft = (output.draft_logits.detach(), output.draft_confidence.detach(), output.draft_ids)
-    return logprobs.detach(), draft, grads
-
-
-def megatron_run(folder, rows: torch.Tensor, tp: int, ep: int, rank: int, checkpoint=None):
-    from megatron.core import parallel_state
-
-    with runtime.parallel(tp=tp, ep=ep):
-        provider = build_provider(folder, train_engram_tables=True)
-        model = provider.provide()
-        provider.load_hf_weights(model, progress=False)
-        model.eval()
-        exported = dict(provider.export_hf_weights(model))
-        if checkpoint is not None:
-            megatron_ckpt.save(model, checkpoint, metadata={"architecture": "deepseek_v41", "tp": tp, "ep": ep})
-        mine = rows if ep == 1 else rows[rank:rank + 1]  # EP ranks are data-parallel replicas: different rows
-        logits, draft = model(mine, draft_anchor_ids=mine.roll(-1, 1), runtime_gather_output=True)
-        logprobs = next_token_logprobs(logits[..., :provider.vocab_size], mine)
-        (-logprobs.sum() / rows[:, 1:].numel()).backward()  # = the reference's -mean over the whole batch
-        if ep > 1:
-            for param in model.parameters():  # the data-parallel sum of the dense (non-expert) gradients
-                if getattr(param, "allreduce", True) and param.grad is not None:
-                    dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
-        trainable = megatron_trainable_names(provider, model)
-        grads = megatron_grads_as_hf(provider, model)
-        return (logprobs.detach(), (draft.logits.detach(), draft.confidence.detach(), draft.ids),
-                grads, trainable, exported if rank == 0 else sorted(exported))
 
 
 def _both_layouts(rank: int, folder, rows, checkpoints):

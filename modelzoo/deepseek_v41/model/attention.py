@@ -17,6 +17,12 @@ scores and picks from the same (all-reduced) input, and the latents' gradient, w
 heads, is summed over the ranks where the keys enter the heads (`copy_to_tensor_model_parallel_region`). The
 selection rules (stable top-k, newest candidate block kept) are the reference's functions: they choose indices,
 and parity needs the same choice, ties included.
+
+`fake_quant`: the release's inference storage, applied in the forward with straight-through gradients (the
+reference's `fake_quant_fp8` / `fake_quant_fp4`, where the reference applies them): the window K/V rounded to FP8
+(E4M3, a power-of-two scale per 32 channels), the compressed K/V to FP4 (E2M1, an E4M3 scale per 16) and the
+indexer's queries and keys to FP4 (E2M1, a power-of-two scale per 32). Every rounded tensor is a replicated
+computation (K/V, latents, indexer), so every TP rank rounds the same values alike.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.hf_model import (
     CompressedState,
+    fake_quant_fp4,
+    fake_quant_fp8,
     rope_inverse_frequencies,
     select_candidate_blocks,
     top_k_mask,
@@ -92,11 +100,12 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """sum_h w_h(x) relu(q_h . k) of every query against every published key. Only a KV source owns the key
     projection (`linear_k`, `k_layernorm`: its keys come from its own latents). Replicated and frozen (its scores
-    only feed a top-k, which passes no gradient)."""
+    only feed a top-k, which passes no gradient). `fake_quant`: queries and keys rounded to FP4."""
 
-    def __init__(self, config, args: DeepseekV41Args, owns_keys: bool):
+    def __init__(self, config, args: DeepseekV41Args, owns_keys: bool, fake_quant: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.fake_quant = fake_quant
         self.linear_q_up_proj = ReplicatedLinear(args.q_lora_rank, self.num_heads * self.head_dim, config)
         self.linear_weights = ReplicatedLinear(args.hidden_size, self.num_heads, config)
         if owns_keys:
@@ -104,11 +113,14 @@ class Indexer(nn.Module):
             self.k_layernorm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def keys(self, latents: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rotate(self.k_layernorm(self.linear_k(latents)), cos, sin)
+        keys = rotate(self.k_layernorm(self.linear_k(latents)), cos, sin)
+        return fake_quant_fp4(keys, 32, False, "the indexer keys") if self.fake_quant else keys
 
     def forward(self, x, q_residual, keys, cos, sin) -> torch.Tensor:
         """Scores [B, S, T] (fp32), visibility not yet applied."""
         queries = rotate(self.linear_q_up_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
+        if self.fake_quant:
+            queries = fake_quant_fp4(queries, 32, False, "the indexer queries")
         weights = self.linear_weights(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
         scores = torch.einsum("bshd,btd->bsht", queries.float(), keys.float()).relu()
         return (scores * weights[..., None]).sum(dim=2)
@@ -131,9 +143,10 @@ def query_positions(x: torch.Tensor, shares: SequenceShares | None) -> torch.Ten
 
 
 class DeepseekV41Attention(nn.Module):
-    """One layer's attention; `layer_idx` >= num_layers is a DSpark draft layer (sliding window only)."""
+    """One layer's attention; `layer_idx` >= num_layers is a DSpark draft layer (sliding window only).
+    `fake_quant`: the release's FP8 / FP4 rounding of the K/V and indexer inputs (the module docstring)."""
 
-    def __init__(self, config, args: DeepseekV41Args, layer_idx: int):
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, fake_quant: bool = False):
         super().__init__()
         text, tp = args.text, config.tensor_model_parallel_size
         if args.num_heads % tp or args.o_groups % tp:
@@ -149,6 +162,7 @@ class DeepseekV41Attention(nn.Module):
         self.uses_candidates = backbone and 0 <= text.candidate_source_layer_id < layer_idx
         self.candidate_topk_blocks, self.candidate_block_size = text.candidate_topk_blocks, text.candidate_block_size
         self.index_topk = args.index_topk
+        self.fake_quant = fake_quant
 
         self.linear_q_down_proj = ReplicatedLinear(args.hidden_size, args.q_lora_rank, config)
         self.q_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -166,7 +180,8 @@ class DeepseekV41Attention(nn.Module):
         self.rotary = rotary_table(args, "compress" if self.ratio else "main")
         self.compress_rotary = rotary_table(args, "compress") if self.ratio else None
         self.compressor = Compressor(config, args, self.ratio) if self.is_kv_source else None
-        self.indexer = Indexer(config, args, owns_keys=self.is_kv_source) if self.is_index_source else None
+        self.indexer = (Indexer(config, args, owns_keys=self.is_kv_source, fake_quant=fake_quant)
+                        if self.is_index_source else None)
 
     def project_q(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's rotated query heads [B, S, h, D], the query latent qr [B, S, q_lora_rank])."""
@@ -175,7 +190,8 @@ class DeepseekV41Attention(nn.Module):
         return rotate(queries.unflatten(-1, (self.local_heads, self.head_dim)), cos, sin), q_residual
 
     def project_kv(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        return rotate(self.kv_layernorm(self.linear_kv(x)), cos, sin)
+        kv = rotate(self.kv_layernorm(self.linear_kv(x)), cos, sin)
+        return fake_quant_fp8(kv) if self.fake_quant else kv
 
     def attend(self, queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         # K = V is computed on every rank but read only by this rank's heads: sum its gradients
@@ -220,7 +236,8 @@ class DeepseekV41Attention(nn.Module):
             cos, sin = self.compress_rotary(latent_positions, x.dtype)
             state.ratio = ratio
             state.index_keys = self.indexer.keys(latents, cos, sin)
-            state.kv = rotate(latents, cos, sin)
+            rotated = rotate(latents, cos, sin)
+            state.kv = fake_quant_fp4(rotated, 16, True, "the compressed K/V") if self.fake_quant else rotated
         if state.kv is None or state.kv.shape[1] == 0:
             return None
         if self.is_index_source:

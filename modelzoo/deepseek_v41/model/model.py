@@ -58,16 +58,18 @@ class SinglePassHyperConnection(HyperConnection):
 
 class DeepseekV41Layer(nn.Module):
     """One block: attention site and FFN site with single-pass hyper-connections, optionally an Engram (run by the
-    model before the block). `layer_idx` >= num_layers: a DSpark draft layer (sliding window, its own MoE size)."""
+    model before the block). `layer_idx` >= num_layers: a DSpark draft layer (sliding window, its own MoE size).
+    `fake_quant`: its attention rounds K/V and indexer inputs as the release stores them (model/attention.py)."""
 
-    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False):
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False,
+                 fake_quant: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
                   hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, init_std=config.init_method_std)
         self.attn_hc = SinglePassHyperConnection(**hc)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attention = DeepseekV41Attention(config, args, layer_idx)
+        self.self_attention = DeepseekV41Attention(config, args, layer_idx, fake_quant)
         self.ffn_hc = SinglePassHyperConnection(**hc)
         self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = DeepseekV41MoE(config, args if layer_idx < args.num_layers else args.draft_moe())
@@ -114,12 +116,14 @@ class DraftOutput:
 class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     """The whole model at one pipeline stage. Frozen by default (requires_grad False), as in the reference: the
     indexers (their scores only feed a top-k), the Engram tables (`train_engram_tables=True` trains them), the
-    DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers."""
+    DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers.
+    `fake_quant=True`: every forward (backbone and DSpark layers) rounds the window K/V to FP8 and the compressed K/V
+    and indexer queries and keys to FP4, as the release's inference stores them, with straight-through gradients."""
 
     model_type = ModelType.encoder_or_decoder
 
     def __init__(self, config, args: DeepseekV41Args, padded_vocab_size: int, token_map: torch.Tensor | None,
-                 carried: dict | None = None, train_engram_tables: bool = False):
+                 carried: dict | None = None, train_engram_tables: bool = False, fake_quant: bool = False):
         """`token_map`: the Engram's normalised vocabulary (None: a forward is refused; a skeleton needs none);
         `carried`: name -> (shape, dtype) of the checkpoint tensors held unused for the export."""
         super().__init__(config=config)
@@ -133,7 +137,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
         for index in range(args.num_layers):
-            layer = DeepseekV41Layer(config, args, index, train_engram_tables)
+            layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
@@ -141,7 +145,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
                                                  init_method=config.init_method, bias=False, gather_output=False)
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage)
+        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage, fake_quant=fake_quant)
                                         for stage in range(args.num_draft_layers))
         if args.num_draft_layers:
             first = self.mtp.layers[0]
