@@ -89,8 +89,6 @@ class DeepseekV41Provider(ModelProvider):
         if self.attention != "exact":
             raise ValueError(f"deepseek_v41: attention={self.attention!r} is not implemented; the Megatron model runs "
                              "the exact (eager) attention")
-        if self.config_overrides.get("sequence_parallel"):
-            raise ValueError("deepseek_v41: sequence parallelism is not implemented")
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         super().check_parallel_layout(tp, ep, cp, pp)

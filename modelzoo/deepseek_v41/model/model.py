@@ -13,13 +13,27 @@ Tensors are batch-first [B, S, ...] like the reference, so the parity path runs 
 Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the checkpoint's).
 
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
-compressor pools fixed positions from each sequence's start. One pipeline stage, no context or sequence
-parallelism (the provider refuses those layouts).
+compressor pools fixed positions from each sequence's start. One pipeline stage, no context parallelism (the
+provider refuses those layouts).
+
+Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
+reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
+norms act on them alone (parameters marked `sequence_parallel`: finalize_model_grads sums their gradients over TP).
+Attention, the MoE and the Engram (its n-gram hashes are of the whole row) run on the sequence gathered over TP and
+keep this rank's tokens of their output; the final hidden states are gathered for the output layer. The rows of a
+packed or padded batch are padded to a multiple of tp; the DSpark layers (inference) run on whole rows.
+
+Activation recompute as Megatron's TransformerConfig names it (modelzoo.layers.recompute): full ("uniform" / "block",
+`recompute_num_layers`) checkpoints runs of layers; selective `recompute_modules` are SELECTIVE_RECOMPUTE's. The
+cross-layer state (the CSA2 `CompressedState`, the previous site's `pre`) enters a checkpointed region as explicit
+inputs and leaves it as outputs, so a recompute re-reads what the forward read and publishes nothing; the indexer's
+picks are kept from the forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core import tensor_parallel
@@ -29,18 +43,26 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from modelzoo.layers import gpt_call
+from modelzoo.layers import gpt_call, sequence_parallel
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
-from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
-from modelzoo.deepseek_v4.model.model import DeepseekV4Model
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, per_token
+from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer, DeepseekV4Model
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.mapping import carried_name
 from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
-from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
+from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention, state_values
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
 from modelzoo.provider import keep_fp32
+from modelzoo.layers.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.layers.sequences import TokenLayout
+
+# recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
+SELECTIVE_RECOMPUTE = {
+    "core_attn": "compressor and attention over window and compressed entries (the indexer's picks are kept)",
+    "layernorm": "hyper-connection maps and the norms after them",
+    "moe": "router, routed and shared experts",
+}
 
 
 class SinglePassHyperConnection(HyperConnection):
@@ -57,30 +79,50 @@ class DeepseekV41Layer(nn.Module):
     """One block: attention site and FFN site with single-pass hyper-connections, optionally an Engram (run by the
     model before the block). `layer_idx` >= num_layers: a DSpark draft layer (sliding window, its own MoE size)."""
 
-    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False):
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False,
+                 recompute: frozenset[str] = frozenset()):
+        """`recompute`: the selective recompute_modules (SELECTIVE_RECOMPUTE's names)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.sequence_parallel = sequence_parallel.enabled(config)
+        whole_sequence = sequence_parallel.whole_sequence_config(config)
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
                   hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, init_std=config.init_method_std)
-        self.attn_hc = SinglePassHyperConnection(**hc)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attention = DeepseekV41Attention(config, args, layer_idx)
-        self.ffn_hc = SinglePassHyperConnection(**hc)
-        self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = DeepseekV41MoE(config, args if layer_idx < args.num_layers else args.draft_moe())
+        self.attn_hc = per_token(SinglePassHyperConnection(**hc), config)
+        self.input_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.self_attention = DeepseekV41Attention(whole_sequence, args, layer_idx, "core_attn" in recompute)
+        self.ffn_hc = per_token(SinglePassHyperConnection(**hc), config)
+        self.pre_mlp_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.mlp = DeepseekV41MoE(whole_sequence, args if layer_idx < args.num_layers else args.draft_moe(),
+                                  self.sequence_parallel)
         engram_ids = args.text.engram_layer_ids
-        self.engram = (DeepseekV41Engram(config, args, args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
+        self.engram = (DeepseekV41Engram(whole_sequence, args,
+                                         args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
                                          train_engram_tables) if layer_idx in engram_ids else None)
+        self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
+
+    def _attention_input(self, streams: torch.Tensor, previous_pre: torch.Tensor):
+        attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
+        return attn_pre, post, comb, self.input_layernorm(collapsed), streams
+
+    def _mlp_input(self, streams: torch.Tensor, attn_pre: torch.Tensor):
+        ffn_pre, post, comb, collapsed, streams = self.ffn_hc(streams, attn_pre)
+        return ffn_pre, post, comb, self.pre_mlp_layernorm(collapsed), streams
 
     def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor, attention,
                 padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [B, S, N, hidden], previous_pre [B, S, N]; `attention(x)` runs this layer's attention on the
-        collapsed, normalised input; padding [B, S]: tokens routed to no expert. Returns the new streams and the
+        """streams [B, S, N, hidden], previous_pre [B, S, N] (under sequence parallelism this rank's S / tp
+        tokens); `attention(x)` runs this layer's attention on the collapsed, normalised input of the whole
+        sequence; padding [B, S] (the whole sequence): tokens routed to no expert. Returns the new streams and the
         FFN site's pre."""
-        attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
-        streams = hc_residual(post, comb, attention(self.input_layernorm(collapsed)), streams)
-        ffn_pre, post, comb, collapsed, streams = self.ffn_hc(streams, attn_pre)
-        return hc_residual(post, comb, self.mlp(self.pre_mlp_layernorm(collapsed), None, padding), streams), ffn_pre
+        attn_pre, post, comb, normed, streams = recomputed(self._attention_input, self.recompute_norms)(
+            streams, previous_pre)
+        streams = hc_residual(post, comb, self.on_whole_sequence(attention, normed), streams)
+        ffn_pre, post, comb, normed, streams = recomputed(self._mlp_input, self.recompute_norms)(streams, attn_pre)
+        mlp_output = self.on_whole_sequence(recomputed(self.mlp, self.recompute_mlp), normed, None, padding)
+        return hc_residual(post, comb, mlp_output, streams), ffn_pre
+
+    on_whole_sequence = DeepseekV4DecoderLayer.on_whole_sequence
 
 
 class DSparkHeads(nn.Module):
@@ -125,20 +167,27 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         self.vocab_size, self.max_sequence_length = args.vocab_size, args.text.max_position_embeddings
         self.share_embeddings_and_output_weights = False
         self.embedding = nn.Module()
+        self.sequence_parallel = sequence_parallel.enabled(config)
+        whole_sequence = sequence_parallel.whole_sequence_config(config)
         self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
-                                                                init_method=config.init_method, config=config)
+                                                                init_method=config.init_method, config=config,
+                                                                reduce_scatter_embeddings=self.sequence_parallel)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
+        recompute = selective_modules(config, "DeepSeek-V4.1", SELECTIVE_RECOMPUTE)
         for index in range(args.num_layers):
-            layer = DeepseekV41Layer(config, args, index, train_engram_tables)
+            layer = DeepseekV41Layer(config, args, index, train_engram_tables, recompute)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
-        self.decoder.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
+        # as Megatron's TransformerBlock: runs of layers, each under one checkpoint or not
+        self.decoder.recompute_groups = full_recompute_groups(config, args.num_layers)
+        self.decoder.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=whole_sequence,
                                                  init_method=config.init_method, bias=False, gather_output=False)
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage)
+        # the DSpark layers run on whole rows (drafting is inference: nothing to gain from splitting them)
+        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(whole_sequence, args, args.num_layers + stage)
                                         for stage in range(args.num_draft_layers))
         if args.num_draft_layers:
             first = self.mtp.layers[0]
@@ -158,6 +207,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                 param.requires_grad_(False)
 
     sharded_state_dict = DeepseekV4Model.sharded_state_dict  # reads each tensor's own parallel attributes
+    embed = DeepseekV4Model.embed  # under sequence parallelism this rank's tokens
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's schedules call it; at one pipeline stage there is nothing to receive."""
@@ -206,6 +256,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         sequences = layout.sequences
         rows = pad_sequence([input_ids[row, start:start + length] for row, start, length in sequences],
                             batch_first=True)
+        if self.sequence_parallel:  # the TP ranks split each row evenly
+            rows = torch.nn.functional.pad(rows, (0, -rows.shape[1] % self.config.tensor_model_parallel_size))
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
         padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
         hidden_rows, _ = self.backbone(rows, padding)
@@ -215,25 +267,43 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         return hidden
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False):
-        """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
-        DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
-        routed to no expert."""
-        text = self.args.text
+        """The final hidden states [B, S, hidden] of plain rows (of the whole sequence, under sequence parallelism
+        too) and, with `keep_targets`, the stream means of the DSpark target layers' attention inputs
+        [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens routed to no expert."""
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
-        streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
         pre = self.first_pre(streams)
         hash_ids = self.engram_hasher(input_ids, None) if self.engram_hasher is not None else None
-        state, targets = CompressedState(), []
-        for layer in self.decoder.layers:
+        compressed, targets = state_values(CompressedState()), []
+        for layers, recompute in self.decoder.recompute_groups:
+            run = functools.partial(self.run_layers, layers, hash_ids, padding, keep_targets)
+            streams, pre, group_targets, *compressed = recomputed(run, recompute)(streams, pre, *compressed)
+            targets += group_targets
+        hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
+        targets = torch.cat(targets, dim=-1) if keep_targets else None
+        if self.sequence_parallel:
+            hidden = sequence_parallel.gather_sequence(hidden, dim=1)
+            targets = sequence_parallel.gather_sequence(targets, dim=1) if keep_targets else None
+        return hidden, targets
+
+    def run_layers(self, layers: range, hash_ids: torch.Tensor | None, padding: torch.Tensor | None,
+                   keep_targets: bool, streams: torch.Tensor, pre: torch.Tensor, *state) -> tuple:
+        """Decoder layers `layers` in turn, from explicit inputs (`state`: the CompressedState's values before them)
+        -> (streams, pre, [DSpark targets], *the state's values after them): a checkpointed run's recompute
+        re-reads what its forward read."""
+        text, state, targets = self.args.text, CompressedState(*state), []
+        for index in layers:
+            layer = self.decoder.layers[index]
             if layer.engram is not None:
-                streams = layer.engram(streams, hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
+                # the n-grams end at every token of the whole row
+                streams = layer.on_whole_sequence(layer.engram, streams,
+                                                  hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
             if keep_targets and layer.layer_idx in text.dspark_target_layer_ids:
                 targets.append(streams.float().mean(dim=2).to(streams.dtype))
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state), padding)
-        hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
-        return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
+        return streams, pre, targets, *state_values(state)
 
     def first_pre(self, streams: torch.Tensor) -> torch.Tensor:
         """The first site reads stream 0: pre = one-hot [..., N] (fp32)."""
@@ -254,7 +324,10 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         block_ids = torch.full((batch, seq_len, block), text.dspark_noise_token_id, device=anchor_ids.device)
         block_ids[..., 0] = anchor_ids
         # the layers see [B, S * K] tokens; the attention regroups them by anchor
-        streams = self.embedding.word_embeddings(block_ids.flatten(1)).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        embeddings = self.embed(block_ids.flatten(1))
+        if self.sequence_parallel:
+            embeddings = sequence_parallel.gather_sequence(embeddings, dim=1)
+        streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
         pre = self.first_pre(streams)
         for layer in self.mtp.layers:
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention:
