@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import TINY
 
@@ -43,11 +47,17 @@ BUFFERS = (".gate.bias", ".gate.bias_vl", "image_start", "image_end", "image_new
 
 
 def megatron_grads_as_hf(provider, model) -> dict[str, torch.Tensor]:
-    """Each parameter replaced by its gradient (zeros without one), exported: gradients by checkpoint name
-    (collective over the ranks); buffers left out."""
-    for param in model.parameters():
+    """The gradients by checkpoint name (zeros for a parameter without one; collective over the ranks), exported as
+    the weights are, which are put back afterwards; buffers left out."""
+    params = list(model.parameters())
+    weights = [param.data for param in params]
+    for param in params:
         param.data = param.grad if param.grad is not None else torch.zeros_like(param)
-    return {name: grad for name, grad in provider.export_hf_weights(model) if not name.endswith(BUFFERS)}
+    try:
+        return {name: grad.clone() for name, grad in provider.export_hf_weights(model) if not name.endswith(BUFFERS)}
+    finally:
+        for param, weight in zip(params, weights):
+            param.data = weight
 
 
 def megatron_trainable_names(provider, model) -> set[str]:
@@ -97,3 +107,89 @@ def _own_pre_forward(self, streams, previous_pre, *, attention, ffn_kwargs):
     ffn_pre, ffn_post, ffn_comb = self.hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
     output = self.ffn(self.ffn_norm(self.hc_collapse(streams, ffn_pre)), **ffn_kwargs)
     return self.hc_expand(output, streams, ffn_post, ffn_comb), ffn_pre
+
+
+# --- the Megatron parity bars against our reference (test_v41_megatron_parity.py, test_v41_sp_recompute.py) ----------
+# LOGPROB_TOLERANCE = 1e-5: the issue's bar; the two sides run the same fp32 math in a different summation order
+# (measured ~5e-6 at most). Gradients are compared with the reference's gradient computed in float64 (the true
+# gradient of the same weights, up to the fp32 steps the reference keeps), per tensor as max |diff| / max |reference|:
+# GRAD_TOLERANCE = 1e-5 (HC_SCALE_TOLERANCE = 1e-4 for the hyper-connection scales hc_*_scale, three numbers each
+# summing the gradient of every token and stream, as in V4's tests), or CONDITIONING_FACTOR = 4 times the error the
+# fp32 reference's own gradient of that tensor has, where that is larger. The fp32 reference is itself up to ~7e-5
+# from its float64 gradient on tensors whose gradient is a sum with heavy cancellation (the Engram's q_weight /
+# k_weight: one number per stream and channel, summed over every token; the first layers' hyper-connection maps): a
+# 1e-5 bar against another fp32 run would measure summation order, not correctness (measured: ours 1.1e-4, the fp32
+# reference 6.9e-5 from float64 on layer 1's engram q_weight; 1e-5 or less on most tensors).
+LOGPROB_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-5
+HC_SCALE_TOLERANCE = 1e-4
+CONDITIONING_FACTOR = 4
+HC_SCALES = ("hc_attn_scale", "hc_ffn_scale")
+DRAFT_TOLERANCE = 1e-4  # draft logits (not log-probs): O(1) values after three more layers and a second head
+GROWN_TABLE = "model.layers.1.engram.embed"
+
+
+def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
+    made trainable)."""
+    from modelzoo.deepseek_v41 import DeepseekV41ForCausalLM
+
+    model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    for name, param in model.named_parameters():
+        if ".engram.embed.weight" in name:
+            param.requires_grad_(True)
+    output = model(rows, draft_anchor_ids=rows.roll(-1, 1))
+    logprobs = next_token_logprobs(output.logits, rows)
+    (-logprobs.mean()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    draft = (output.draft_logits.detach(), output.draft_confidence.detach(), output.draft_ids)
+    return logprobs.detach(), draft, grads
+
+
+def tolerances(reference_grads: dict, float64_grads: dict) -> dict[str, float]:
+    """Each tensor's gradient bar (see above), from the fp32 reference's own error against float64."""
+    conditioning = relative_errors(reference_grads, float64_grads)
+    return {name: max(HC_SCALE_TOLERANCE if name.endswith(HC_SCALES) else GRAD_TOLERANCE, CONDITIONING_FACTOR * error)
+            for name, error in conditioning.items()}
+
+
+def gradients_too_far(grads: dict, float64_grads: dict, bars: dict) -> dict[str, tuple[float, float]]:
+    """name -> (error, bar) of each gradient farther from the float64 reference than its bar."""
+    return {name: (error, bars[name]) for name, error in relative_errors(grads, float64_grads).items()
+            if not error <= bars[name]}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return random_rows(2, 64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    """deepseek-v41-tiny with layer 1's Engram table grown by one row (241: TP 2 pads it)."""
+    folder = tmp_path_factory.mktemp("v41") / "deepseek-v41-tiny-grown"
+    shutil.copytree(V41_TINY, folder)
+    tensors = load_file(folder / "model.safetensors")
+    for leaf in ("weight", "scale"):
+        table = tensors[f"{GROWN_TABLE}.{leaf}"]
+        tensors[f"{GROWN_TABLE}.{leaf}"] = torch.cat([table, torch.full_like(table[:1], 0.5)])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["engram_num_embeddings"][0] += 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(grown, rows):
+    return reference_run(grown, rows)
+
+
+@pytest.fixture(scope="module")
+def float64_grads(grown, rows):
+    return reference_run(grown, rows, torch.float64)[2]
+
+
+@pytest.fixture(scope="module")
+def grad_tolerances(reference, float64_grads):
+    return tolerances(reference[2], float64_grads)
