@@ -24,10 +24,10 @@ keep this rank's tokens of their output; the final hidden states are gathered fo
 packed or padded batch are padded to a multiple of tp; the DSpark layers (inference) run on whole rows.
 
 Activation recompute as Megatron's TransformerConfig names it (modelzoo.layers.recompute): full ("uniform" / "block",
-`recompute_num_layers`) checkpoints runs of layers; selective `recompute_modules` are SELECTIVE_RECOMPUTE's. The
-cross-layer state (the CSA2 `CompressedState`, the previous site's `pre`) enters a checkpointed region as explicit
-inputs and leaves it as outputs, so a recompute re-reads what the forward read and publishes nothing; the indexer's
-picks are kept from the forward.
+`recompute_num_layers`) checkpoints runs of layers; the selective `recompute_modules` are DeepSeek-V4's
+(SELECTIVE_RECOMPUTE: core_attn, layernorm, moe). The cross-layer state (the CSA2 `CompressedState`, the previous
+site's `pre`) enters a checkpointed region as explicit inputs and leaves it as outputs, so a recompute re-reads what
+the forward read and publishes nothing; the indexer's picks are kept from the forward.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch.nn.utils.rnn import pad_sequence
 from modelzoo.layers import gpt_call, sequence_parallel
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, per_token
-from modelzoo.deepseek_v4.model.model import DeepseekV4DecoderLayer, DeepseekV4Model
+from modelzoo.deepseek_v4.model.model import SELECTIVE_RECOMPUTE, DeepseekV4DecoderLayer, DeepseekV4Model
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.mapping import carried_name
 from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
@@ -56,13 +56,6 @@ from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
 from modelzoo.provider import keep_fp32
 from modelzoo.layers.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.layers.sequences import TokenLayout
-
-# recompute_granularity="selective": the recompute_modules names (Megatron's) this model honours
-SELECTIVE_RECOMPUTE = {
-    "core_attn": "compressor and attention over window and compressed entries (the indexer's picks are kept)",
-    "layernorm": "hyper-connection maps and the norms after them",
-    "moe": "router, routed and shared experts",
-}
 
 
 class SinglePassHyperConnection(HyperConnection):
@@ -174,6 +167,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                                                                 reduce_scatter_embeddings=self.sequence_parallel)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
+        # recompute_granularity="selective": V4's recompute_modules, which name the same pieces of a V4.1 layer
         recompute = selective_modules(config, "DeepSeek-V4.1", SELECTIVE_RECOMPUTE)
         for index in range(args.num_layers):
             layer = DeepseekV41Layer(config, args, index, train_engram_tables, recompute)
