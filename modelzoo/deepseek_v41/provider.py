@@ -99,8 +99,6 @@ class DeepseekV41Provider(ModelProvider):
         if self.attention != "exact":
             raise ValueError(f"deepseek_v41: attention={self.attention!r} is not implemented; the Megatron model runs "
                              "the exact (eager) attention")
-        if self.config_overrides.get("sequence_parallel"):
-            raise ValueError("deepseek_v41: sequence parallelism is not implemented")
         text = self.hf_config
         if self.fake_quant and (text.head_dim % 32 or text.index_head_dim % 32):
             raise ValueError(f"deepseek_v41: fake_quant=True needs head_dim ({text.head_dim}) and index_head_dim "

@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 through the CLI: HF -> Megatron (torch_dist) -> HF bit-exact (the image delimiters carried through),
-`modelzoo parity` at TP 1, TP 2 and EP 2, `modelzoo logprobs` against our reference, and bad inputs (a missing or
-mismatched tokenizer, a layout the model cannot run, a checkpoint of mixed namings) refused in one sentence with
-exit 2 and nothing written."""
+`modelzoo parity` at TP 1, TP 2, TP 2 + SP and EP 2, `modelzoo logprobs` against our reference, and bad inputs (a
+missing or mismatched tokenizer, a layout the model cannot run, a checkpoint of mixed namings) refused in one
+sentence with exit 2 and nothing written."""
 
 import json
 import re
@@ -28,7 +28,8 @@ def test_cli_round_trip_is_bit_exact(tmp_path, import_layout, export_layout):
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (V41_TINY / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--ep", "2"]], ids=["tp1", "tp2", "ep2"])
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--tp", "2", "--sp"], ["--ep", "2"]],
+                         ids=["tp1", "tp2", "tp2-sp", "ep2"])
 def test_cli_parity_passes(layout, capsys):
     assert main(["parity", str(V41_TINY), *layout, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

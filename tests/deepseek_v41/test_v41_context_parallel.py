@@ -145,6 +145,11 @@ def _rank(rank: int) -> dict:
                 "packed": dict(packed_step, logprobs=[-values[None] for values in batch.split(packed_step["loss"], 1)],
                                whole_tokens=batch.input_ids.shape[1]),
             }
+    with runtime.parallel(tp=2, cp=2):
+        model = build_provider(V41_TINY, sequence_parallel=True).provide()
+        with pytest.raises(ValueError) as refused:
+            model(context_parallel.split_for_rank(rows))
+        results["sequence parallel refusal"] = str(refused.value)
     return results
 
 
@@ -192,6 +197,13 @@ def test_drafts_are_refused_under_context_parallelism(ranks):
     for results in ranks:
         assert results["draft refusal"] == ("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark "
                                             "drafts run without it (pass the whole rows at context parallel size 1)")
+
+
+def test_sequence_parallelism_with_context_parallelism_is_refused(ranks):
+    for results in ranks:
+        assert results["sequence parallel refusal"] == (
+            "deepseek_v41: sequence parallelism with context parallelism is not implemented (use either, or tensor "
+            "parallelism without sequence_parallel beside context parallelism)")
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------------

@@ -7,88 +7,40 @@ ratio-1 KV sources, reuse, re-index, candidate source, Engram layers). The Engra
 sides so that their row-sharded backward is compared too; the checkpoint is deepseek-v41-tiny with layer 1's table
 grown to 241 rows (no hash id reaches the extra row), which the model pads (to 256 rows, sharded 128 a rank at TP 2).
 
-LOGPROB_TOLERANCE = 1e-5: the issue's bar; the two sides run the same fp32 math in a different summation order
-(measured ~5e-6 at most). Gradients are compared with the reference's gradient computed in float64 (the true
-gradient of the same weights, up to the fp32 steps the reference keeps), per tensor as max |diff| / max |reference|:
-GRAD_TOLERANCE = 1e-5 (HC_SCALE_TOLERANCE = 1e-4 for the hyper-connection scales hc_*_scale, three numbers each
-summing the gradient of every token and stream, as in V4's tests), or CONDITIONING_FACTOR = 4 times the error the fp32 reference's own gradient of that tensor
-has, where that is larger. The fp32 reference is itself up to ~7e-5 from its float64 gradient on tensors whose
-gradient is a sum with heavy cancellation (the Engram's q_weight / k_weight: one number per stream and channel,
-summed over every token; the first layers' hyper-connection maps): a 1e-5 bar against another fp32 run would measure
-summation order, not correctness (measured: ours 1.1e-4, the fp32 reference 6.9e-5 from float64 on layer 1's
-engram q_weight; 1e-5 or less on most tensors). EP 2: the two ranks are data-parallel replicas with one row each;
-the dense gradients are summed over them (what DDP does), the experts' are not (each expert already saw both rows).
-Round trips move values only: bit-exact. The tolerances and the runs of both models are dsv41_helpers', shared with
-test_v41_fake_quant.py.
+The log-prob and gradient bars (LOGPROB_TOLERANCE, the per-tensor gradient scheme and why), the runs of both models
+and the fixtures are dsv41_helpers', shared with the other V4.1 parity tests. EP 2: the two ranks are data-parallel
+replicas with one row each; the dense gradients are summed over them (what DDP does), the experts' are not (each
+expert already saw both rows). Round trips move values only: bit-exact.
 """
-
-import json
-import shutil
 
 import pytest
 import torch
-from dsv41_helpers import (
+from dsv41_helpers import (  # noqa: F401 (fixtures: grown, rows, reference, float64_grads, tolerances)
     DRAFT_TOLERANCE,
     LOGPROB_TOLERANCE,
     MECHANISMS,
-    V41_TINY,
-    grad_tolerances,
+    float64_grads,
     gradients_too_far,
+    grown,
     megatron_run,
     next_token_logprobs,
-    random_rows,
-    reference_run,
+    reference,
+    rows,
     switch_off,
+    tolerances,
 )
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from modelzoo.conversion import megatron_ckpt
 from modelzoo import build_provider, runtime
 
 MATTERS = 1e-3  # the issue's bar for "a mechanism matters" (as in test_v41_reference.py)
-GROWN_TABLE = "model.layers.1.engram.embed"
 
 
 def _both_layouts(rank: int, folder, rows, checkpoints):
     # one pair of processes for both layouts: start-up and imports are most of the cost
     return {layout: megatron_run(folder, rows, tp, ep, rank, checkpoints / layout)
             for layout, tp, ep in (("tp2", 2, 1), ("ep2", 1, 2))}
-
-
-@pytest.fixture(scope="module")
-def rows():
-    return random_rows(2, 64, seed=0)
-
-
-@pytest.fixture(scope="module")
-def grown(tmp_path_factory):
-    """deepseek-v41-tiny with layer 1's Engram table grown by one row (241: TP 2 pads it)."""
-    folder = tmp_path_factory.mktemp("v41") / "deepseek-v41-tiny-grown"
-    shutil.copytree(V41_TINY, folder)
-    tensors = load_file(folder / "model.safetensors")
-    for leaf in ("weight", "scale"):
-        table = tensors[f"{GROWN_TABLE}.{leaf}"]
-        tensors[f"{GROWN_TABLE}.{leaf}"] = torch.cat([table, torch.full_like(table[:1], 0.5)])
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["engram_num_embeddings"][0] += 1
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(grown, rows):
-    return reference_run(grown, rows)
-
-
-@pytest.fixture(scope="module")
-def float64_grads(grown, rows):
-    return reference_run(grown, rows, torch.float64)[2]
-
-
-@pytest.fixture(scope="module")
-def tolerances(reference, float64_grads):
-    return grad_tolerances(reference[2], float64_grads)
 
 
 @pytest.fixture(scope="module")

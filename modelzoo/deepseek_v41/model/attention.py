@@ -23,9 +23,16 @@ reference's `fake_quant_fp8` / `fake_quant_fp4`, where the reference applies the
 (E4M3, a power-of-two scale per 32 channels), the compressed K/V to FP4 (E2M1, an E4M3 scale per 16) and the
 indexer's queries and keys to FP4 (E2M1, a power-of-two scale per 32). Every rounded tensor is a replicated
 computation (K/V, latents, indexer), so every TP rank rounds the same values alike.
+
+Activation recompute: the compressed entries and the attention over them (`core`, selective "core_attn") take the
+state they read as explicit inputs and return the state after this layer, so that their recompute in the backward
+re-reads what the forward read and publishes nothing; the indexer's picks (masks, no gradient) are kept from the
+forward (`kept_for_recompute`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +59,13 @@ from modelzoo.deepseek_v41.hf_model import (
     select_candidate_blocks,
     top_k_mask,
 )
+from modelzoo.layers.recompute import kept_for_recompute, recomputed
+
+
+def state_values(state: CompressedState) -> tuple:
+    """The state's fields in order (`CompressedState(*values)` rebuilds it): a checkpointed region's explicit
+    inputs and outputs."""
+    return tuple(getattr(state, field.name) for field in dataclasses.fields(state))
 
 
 def rotary_table(args: DeepseekV41Args, kind: str) -> RotaryTable:
@@ -146,8 +160,10 @@ class DeepseekV41Attention(nn.Module):
     """One layer's attention; `layer_idx` >= num_layers is a DSpark draft layer (sliding window only).
     `fake_quant`: the release's FP8 / FP4 rounding of the K/V and indexer inputs (the module docstring)."""
 
-    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, fake_quant: bool = False):
+    def __init__(self, config, args: DeepseekV41Args, layer_idx: int, fake_quant: bool = False,
+                 recompute_core: bool = False):
         super().__init__()
+        self.recompute_core = recompute_core  # selective recompute "core_attn"
         text, tp = args.text, config.tensor_model_parallel_size
         if args.num_heads % tp or args.o_groups % tp:
             raise ValueError(f"deepseek_v41: tensor parallel size {tp} must divide num_attention_heads "
@@ -207,14 +223,26 @@ class DeepseekV41Attention(nn.Module):
         return output
 
     def forward(self, x: torch.Tensor, state: CompressedState, shares: SequenceShares | None = None) -> torch.Tensor:
-        """x [B, S, hidden] (replicated) -> [B, S, hidden] (all-reduced); `state`: what earlier layers published.
-        With `shares` (context parallelism) x is this rank's tokens of each sequence, the keys every rank's."""
+        """x [B, S, hidden] (replicated) -> [B, S, hidden] (all-reduced); `state`: what earlier layers published,
+        updated with what this layer publishes. With `shares` (context parallelism) x is this rank's tokens of each
+        sequence, the keys every rank's."""
         positions = query_positions(x, shares)
         cos, sin = self.rotary(positions, x.dtype)
         queries, q_residual = self.project_q(x, cos, sin)
         keys = self.project_kv(x, cos, sin)
         if shares is not None:
             keys = shares.whole(keys)
+        attended, *published = recomputed(self.core, self.recompute_core)(x, q_residual, queries, keys, shares,
+                                                                           *state_values(state))
+        for field, value in zip(dataclasses.fields(state), published):
+            setattr(state, field.name, value)
+        return self.output(attended, cos, sin)
+
+    def core(self, x, q_residual, queries, keys, shares: SequenceShares | None, *read) -> tuple:
+        """The compressed entries and the attention over them and the window, from explicit inputs (`read`: the
+        state's values before this layer) -> (attended [B, S, h, D], *the state's values after it)."""
+        state = CompressedState(*read)
+        positions = query_positions(x, shares)
         offset = positions[..., :, None] - torch.arange(keys.shape[1], device=x.device)
         allowed = ((offset >= 0) & (offset < self.sliding_window)).expand(x.shape[0], -1, -1)
         if self.ratio:
@@ -222,34 +250,41 @@ class DeepseekV41Attention(nn.Module):
             if latents is not None:
                 keys = torch.cat((keys, latents), dim=1)
                 allowed = torch.cat((allowed, state.selected), dim=-1)
-        return self.output(self.attend(queries, keys, allowed), cos, sin)
+        return self.attend(queries, keys, allowed), *state_values(state)
 
     def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
                         shares: SequenceShares | None = None):
         """Publish (KV source) and select (index source) latents; returns the published latents, None while a row
         has none yet. Under context parallelism the latents pool the whole sequences; the selection is per query."""
-        ratio = self.ratio
         if self.is_kv_source:
             latents = self.compressor(x) if shares is None else \
                 self.compressor.pool(shares.whole(self.compressor.project(x)), x.dtype)
-            latent_positions = torch.arange(latents.shape[1], device=x.device) * ratio  # latent j sits at j * r
+            latent_positions = torch.arange(latents.shape[1], device=x.device) * self.ratio  # latent j sits at j * r
             cos, sin = self.compress_rotary(latent_positions, x.dtype)
-            state.ratio = ratio
+            state.ratio = self.ratio
             state.index_keys = self.indexer.keys(latents, cos, sin)
             rotated = rotate(latents, cos, sin)
             state.kv = fake_quant_fp4(rotated, 16, True, "the compressed K/V") if self.fake_quant else rotated
         if state.kv is None or state.kv.shape[1] == 0:
             return None
         if self.is_index_source:
-            positions = query_positions(x, shares)
-            cos, sin = self.compress_rotary(positions, x.dtype)
-            scores = self.indexer(x, q_residual, state.index_keys, cos, sin)
-            visible = (positions[..., None] + 1) // ratio  # latent j < (t + 1) // r
-            scores = scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
-            if self.is_candidate_source:
-                state.candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks,
-                                                           self.candidate_block_size)
-            elif self.uses_candidates and state.candidates is not None:
-                scores = scores.masked_fill(~state.candidates, float("-inf"))
-            state.selected = top_k_mask(scores, self.index_topk)
+            # an activation recompute reuses the forward's picks (masks: no gradient)
+            state.candidates, state.selected = kept_for_recompute(lambda: self.pick(x, q_residual, state, shares))
         return state.kv
+
+    @torch.no_grad()  # masks: what the scores feed passes no gradient
+    def pick(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
+             shares: SequenceShares | None = None):
+        """(the candidate blocks after this layer, its top-k) [B, S, T] bool, from the indexer's scores of this rank's
+        queries."""
+        ratio, candidates = self.ratio, state.candidates
+        positions = query_positions(x, shares)
+        cos, sin = self.compress_rotary(positions, x.dtype)
+        scores = self.indexer(x, q_residual, state.index_keys, cos, sin)
+        visible = (positions[..., None] + 1) // ratio  # latent j < (t + 1) // r
+        scores = scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
+        if self.is_candidate_source:
+            candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
+        elif self.uses_candidates and candidates is not None:
+            scores = scores.masked_fill(~candidates, float("-inf"))
+        return candidates, top_k_mask(scores, self.index_topk)

@@ -15,13 +15,27 @@ Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the ch
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
 compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
 packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
-sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage, no
-sequence parallelism (the provider refuses those layouts).
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage
+(the provider refuses more); sequence parallelism is not combined with context parallelism (refused).
+
+Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
+reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
+norms act on them alone (parameters marked `sequence_parallel`: finalize_model_grads sums their gradients over TP).
+Attention, the MoE and the Engram (its n-gram hashes are of the whole row) run on the sequence gathered over TP and
+keep this rank's tokens of their output; the final hidden states are gathered for the output layer. The rows of a
+packed or padded batch are padded to a multiple of tp; the DSpark layers (inference) run on whole rows.
+
+Activation recompute as Megatron's TransformerConfig names it (modelzoo.layers.recompute): full ("uniform" / "block",
+`recompute_num_layers`) checkpoints runs of layers; the selective `recompute_modules` are DeepSeek-V4's
+(SELECTIVE_RECOMPUTE: core_attn, layernorm, moe). The cross-layer state (the CSA2 `CompressedState`, the previous
+site's `pre`) enters a checkpointed region as explicit inputs and leaves it as outputs, so a recompute re-reads what
+the forward read and publishes nothing; the indexer's picks are kept from the forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core import tensor_parallel
@@ -31,18 +45,19 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from modelzoo.layers import gpt_call
+from modelzoo.layers import gpt_call, sequence_parallel
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
-from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm
-from modelzoo.deepseek_v4.model.model import DeepseekV4Model
+from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, per_token
+from modelzoo.deepseek_v4.model.model import SELECTIVE_RECOMPUTE, DeepseekV4DecoderLayer, DeepseekV4Model
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.mapping import carried_name
 from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
-from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
+from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention, state_values
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
 from modelzoo.provider import keep_fp32
+from modelzoo.layers.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.layers.sequences import TokenLayout
 
 
@@ -62,30 +77,50 @@ class DeepseekV41Layer(nn.Module):
     `fake_quant`: its attention rounds K/V and indexer inputs as the release stores them (model/attention.py)."""
 
     def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False,
-                 fake_quant: bool = False):
+                 fake_quant: bool = False, recompute: frozenset[str] = frozenset()):
+        """`recompute`: the selective recompute_modules (SELECTIVE_RECOMPUTE's names)."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.sequence_parallel = sequence_parallel.enabled(config)
+        whole_sequence = sequence_parallel.whole_sequence_config(config)
         hc = dict(hidden_size=args.hidden_size, hc_mult=args.hc_mult, sinkhorn_iters=args.hc_sinkhorn_iters,
                   hc_eps=args.hc_eps, norm_eps=args.rms_norm_eps, init_std=config.init_method_std)
-        self.attn_hc = SinglePassHyperConnection(**hc)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attention = DeepseekV41Attention(config, args, layer_idx, fake_quant)
-        self.ffn_hc = SinglePassHyperConnection(**hc)
-        self.pre_mlp_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = DeepseekV41MoE(config, args if layer_idx < args.num_layers else args.draft_moe())
+        self.attn_hc = per_token(SinglePassHyperConnection(**hc), config)
+        self.input_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.self_attention = DeepseekV41Attention(whole_sequence, args, layer_idx, fake_quant,
+                                                   "core_attn" in recompute)
+        self.ffn_hc = per_token(SinglePassHyperConnection(**hc), config)
+        self.pre_mlp_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.mlp = DeepseekV41MoE(whole_sequence, args if layer_idx < args.num_layers else args.draft_moe(),
+                                  self.sequence_parallel)
         engram_ids = args.text.engram_layer_ids
-        self.engram = (DeepseekV41Engram(config, args, args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
+        self.engram = (DeepseekV41Engram(whole_sequence, args,
+                                         args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
                                          train_engram_tables) if layer_idx in engram_ids else None)
+        self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
+
+    def _attention_input(self, streams: torch.Tensor, previous_pre: torch.Tensor):
+        attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
+        return attn_pre, post, comb, self.input_layernorm(collapsed), streams
+
+    def _mlp_input(self, streams: torch.Tensor, attn_pre: torch.Tensor):
+        ffn_pre, post, comb, collapsed, streams = self.ffn_hc(streams, attn_pre)
+        return ffn_pre, post, comb, self.pre_mlp_layernorm(collapsed), streams
 
     def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor, attention,
                 padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [B, S, N, hidden], previous_pre [B, S, N]; `attention(x)` runs this layer's attention on the
-        collapsed, normalised input; padding [B, S]: tokens routed to no expert. Returns the new streams and the
+        """streams [B, S, N, hidden], previous_pre [B, S, N] (under sequence parallelism this rank's S / tp
+        tokens); `attention(x)` runs this layer's attention on the collapsed, normalised input of the whole
+        sequence; padding [B, S] (the whole sequence): tokens routed to no expert. Returns the new streams and the
         FFN site's pre."""
-        attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
-        streams = hc_residual(post, comb, attention(self.input_layernorm(collapsed)), streams)
-        ffn_pre, post, comb, collapsed, streams = self.ffn_hc(streams, attn_pre)
-        return hc_residual(post, comb, self.mlp(self.pre_mlp_layernorm(collapsed), None, padding), streams), ffn_pre
+        attn_pre, post, comb, normed, streams = recomputed(self._attention_input, self.recompute_norms)(
+            streams, previous_pre)
+        streams = hc_residual(post, comb, self.on_whole_sequence(attention, normed), streams)
+        ffn_pre, post, comb, normed, streams = recomputed(self._mlp_input, self.recompute_norms)(streams, attn_pre)
+        mlp_output = self.on_whole_sequence(recomputed(self.mlp, self.recompute_mlp), normed, None, padding)
+        return hc_residual(post, comb, mlp_output, streams), ffn_pre
+
+    on_whole_sequence = DeepseekV4DecoderLayer.on_whole_sequence
 
 
 class DSparkHeads(nn.Module):
@@ -132,20 +167,29 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         self.vocab_size, self.max_sequence_length = args.vocab_size, args.text.max_position_embeddings
         self.share_embeddings_and_output_weights = False
         self.embedding = nn.Module()
+        self.sequence_parallel = sequence_parallel.enabled(config)
+        whole_sequence = sequence_parallel.whole_sequence_config(config)
         self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
-                                                                init_method=config.init_method, config=config)
+                                                                init_method=config.init_method, config=config,
+                                                                reduce_scatter_embeddings=self.sequence_parallel)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
+        # recompute_granularity="selective": V4's recompute_modules, which name the same pieces of a V4.1 layer
+        recompute = selective_modules(config, "DeepSeek-V4.1", SELECTIVE_RECOMPUTE)
         for index in range(args.num_layers):
-            layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant)
+            layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant, recompute)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
-        self.decoder.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
+        # as Megatron's TransformerBlock: runs of layers, each under one checkpoint or not
+        self.decoder.recompute_groups = full_recompute_groups(config, args.num_layers)
+        self.decoder.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=whole_sequence,
                                                  init_method=config.init_method, bias=False, gather_output=False)
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage, fake_quant=fake_quant)
+        # the DSpark layers run on whole rows (drafting is inference: nothing to gain from splitting them)
+        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(whole_sequence, args, args.num_layers + stage,
+                                                         fake_quant=fake_quant)
                                         for stage in range(args.num_draft_layers))
         if args.num_draft_layers:
             first = self.mtp.layers[0]
@@ -165,6 +209,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                 param.requires_grad_(False)
 
     sharded_state_dict = DeepseekV4Model.sharded_state_dict  # reads each tensor's own parallel attributes
+    embed = DeepseekV4Model.embed  # under sequence parallelism this rank's tokens
 
     def set_input_tensor(self, input_tensor) -> None:
         """Megatron's schedules call it; at one pipeline stage there is nothing to receive."""
@@ -190,6 +235,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                              "without it (pass the whole rows at context parallel size 1)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
+        if layout.context_parallel_keys is not None and self.sequence_parallel:
+            raise ValueError("deepseek_v41: sequence parallelism with context parallelism is not implemented (use "
+                             "either, or tensor parallelism without sequence_parallel beside context parallelism)")
         if layout.context_parallel_keys is not None:
             hidden = self.context_parallel_share(input_ids, layout)
         elif layout.plain:
@@ -218,6 +266,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         sequences = layout.sequences
         rows = pad_sequence([input_ids[row, start:start + length] for row, start, length in sequences],
                             batch_first=True)
+        if self.sequence_parallel:  # the TP ranks split each row evenly
+            rows = torch.nn.functional.pad(rows, (0, -rows.shape[1] % self.config.tensor_model_parallel_size))
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
         padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
         hidden_rows, _ = self.backbone(rows, padding)
@@ -236,26 +286,46 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
                  shares: SequenceShares | None = None):
-        """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
-        DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
-        routed to no expert. `shares`: the rows are this CP rank's tokens of each sequence (context_parallel_share)."""
-        text = self.args.text
+        """The final hidden states [B, S, hidden] of plain rows (of the whole sequence, under sequence parallelism
+        too) and, with `keep_targets`, the stream means of the DSpark target layers' attention inputs
+        [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens routed to no expert. `shares`: the rows
+        are this CP rank's tokens of each sequence (context_parallel_share)."""
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
-        streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
         pre = self.first_pre(streams)
         hash_ids = self.engram_hashes(input_ids, shares) if self.engram_hasher is not None else None
-        state, targets = CompressedState(), []
-        for layer in self.decoder.layers:
+        compressed, targets = state_values(CompressedState()), []
+        for layers, recompute in self.decoder.recompute_groups:
+            run = functools.partial(self.run_layers, layers, hash_ids, padding, keep_targets, shares)
+            streams, pre, group_targets, *compressed = recomputed(run, recompute)(streams, pre, *compressed)
+            targets += group_targets
+        hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
+        targets = torch.cat(targets, dim=-1) if keep_targets else None
+        if self.sequence_parallel:
+            hidden = sequence_parallel.gather_sequence(hidden, dim=1)
+            targets = sequence_parallel.gather_sequence(targets, dim=1) if keep_targets else None
+        return hidden, targets
+
+    def run_layers(self, layers: range, hash_ids: torch.Tensor | None, padding: torch.Tensor | None,
+                   keep_targets: bool, shares: SequenceShares | None, streams: torch.Tensor, pre: torch.Tensor,
+                   *state) -> tuple:
+        """Decoder layers `layers` in turn, from explicit inputs (`state`: the CompressedState's values before them)
+        -> (streams, pre, [DSpark targets], *the state's values after them): a checkpointed run's recompute
+        re-reads what its forward read."""
+        text, state, targets = self.args.text, CompressedState(*state), []
+        for index in layers:
+            layer = self.decoder.layers[index]
             if layer.engram is not None:
-                streams = layer.engram(streams, hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
+                # the n-grams end at every token of the whole row
+                streams = layer.on_whole_sequence(layer.engram, streams,
+                                                  hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
             if keep_targets and layer.layer_idx in text.dspark_target_layer_ids:
                 targets.append(streams.float().mean(dim=2).to(streams.dtype))
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
                                  padding)
-        hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
-        return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
+        return streams, pre, targets, *state_values(state)
 
     def engram_hashes(self, input_ids: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
         """The n-gram hash ids of each token [B, S, engram layers, columns]; under context parallelism the n-grams
@@ -283,7 +353,10 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         block_ids = torch.full((batch, seq_len, block), text.dspark_noise_token_id, device=anchor_ids.device)
         block_ids[..., 0] = anchor_ids
         # the layers see [B, S * K] tokens; the attention regroups them by anchor
-        streams = self.embedding.word_embeddings(block_ids.flatten(1)).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        embeddings = self.embed(block_ids.flatten(1))
+        if self.sequence_parallel:
+            embeddings = sequence_parallel.gather_sequence(embeddings, dim=1)
+        streams = embeddings.unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
         pre = self.first_pre(streams)
         for layer in self.mtp.layers:
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention:
