@@ -2,12 +2,15 @@
 exactly the trainable parameters, padding and image tokens behave, fake quantisation rounds as DeepSeek's kernels.
 
 Tolerances: 1e-5 on fp32 logits of identical computations in differently shaped batches (float summation order;
-logits are O(1)); 1e-3 on log-probs for "a mechanism matters", the bar the Megatron parity tests must clear."""
+logits are O(1)); DRAFT_TOLERANCE (1e-4) on the DSpark draft logits, as in the Megatron parity tests: values up to 5
+after three more layers and a second head (measured 1.2e-5 between a 13-token prefix and the whole row on a 2-core
+CPU, 3.5e-6 on the backbone's logits of the same run); 1e-3 on log-probs for "a mechanism matters", the bar the
+Megatron parity tests must clear."""
 
 import numpy as np
 import pytest
 import torch
-from dsv41_helpers import MECHANISMS, load_tiny, log_probs, random_rows, switch_off
+from dsv41_helpers import DRAFT_TOLERANCE, MECHANISMS, load_tiny, log_probs, random_rows, switch_off
 
 from modelzoo.deepseek_v41.hf_model import (
     DeepseekV41Attention,
@@ -37,7 +40,7 @@ def test_prefix_logits_do_not_change_when_the_row_grows(model, fake_quant):
             torch.testing.assert_close(prefix.logits, full.logits[:, :length], rtol=0, atol=SAME)
             # the last anchor of the prefix wraps around, so its draft differs; the others see the same inputs
             torch.testing.assert_close(prefix.draft_logits[:, : length - 1], full.draft_logits[:, : length - 1],
-                                       rtol=0, atol=SAME)
+                                       rtol=0, atol=DRAFT_TOLERANCE)
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
