@@ -15,8 +15,10 @@ Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the ch
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
 compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
 packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
-sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage, no
-sequence parallelism (the provider refuses those layouts).
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages (plain
+rows) hold their layers as Megatron places them; between stages travel the streams, the last site's pre, the CSA2
+state and the token ids, packed into one tensor (model/pipeline.py). No sequence parallelism (the provider refuses
+it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
+from modelzoo.deepseek_v41.model import pipeline
 from modelzoo.provider import keep_fp32
 from modelzoo.layers.sequences import TokenLayout
 
@@ -74,6 +77,12 @@ class DeepseekV41Layer(nn.Module):
         engram_ids = args.text.engram_layer_ids
         self.engram = (DeepseekV41Engram(config, args, args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
                                          train_engram_tables) if layer_idx in engram_ids else None)
+
+    @property
+    def mtp_model_layer(self) -> nn.Module:
+        """A draft layer under the name Megatron's MTP layers give their decoder layer (its schedules set the
+        micro-batch number on it)."""
+        return self
 
     def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor, attention,
                 padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,48 +121,58 @@ class DraftOutput:
 
 
 class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
-    """The whole model at one pipeline stage. Frozen by default (requires_grad False), as in the reference: the
+    """One pipeline stage of the model (the whole model at one stage), placed as GPTModel places its pieces: the
+    first stage (`pre_process`) embeds and carries the unused checkpoint tensors, the last (`post_process`) holds the
+    final norm, the output layer and the DSpark layers; a stage with Engram layers hashes the token ids. Frozen by default (requires_grad False), as in the reference: the
     indexers (their scores only feed a top-k), the Engram tables (`train_engram_tables=True` trains them), the
     DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers."""
 
     model_type = ModelType.encoder_or_decoder
 
     def __init__(self, config, args: DeepseekV41Args, padded_vocab_size: int, token_map: torch.Tensor | None,
-                 carried: dict | None = None, train_engram_tables: bool = False):
+                 carried: dict | None = None, train_engram_tables: bool = False, pre_process: bool = True,
+                 post_process: bool = True):
         """`token_map`: the Engram's normalised vocabulary (None: a forward is refused; a skeleton needs none);
         `carried`: name -> (shape, dtype) of the checkpoint tensors held unused for the export."""
         super().__init__(config=config)
         self.args, self.hc_mult = args, args.hc_mult
-        self.pre_process = self.post_process = True
+        self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size, self.max_sequence_length = args.vocab_size, args.text.max_position_embeddings
         self.share_embeddings_and_output_weights = False
-        self.embedding = nn.Module()
-        self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
-                                                                init_method=config.init_method, config=config)
+        self.input_tensor = None
+        if pre_process:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
+                                                                    init_method=config.init_method, config=config)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
-        for index in range(args.num_layers):
+        for index in stage_layers(config):
             layer = DeepseekV41Layer(config, args, index, train_engram_tables)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
-        self.decoder.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
-                                                 init_method=config.init_method, bias=False, gather_output=False)
+        # what the previous stage hands this one's first layer
+        self.boundary = pipeline.Boundary.before(args, self.decoder.layers[0].layer_idx)
         self.mtp = nn.Module()
-        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(config, args, args.num_layers + stage)
-                                        for stage in range(args.num_draft_layers))
-        if args.num_draft_layers:
+        self.mtp.layers = nn.ModuleList()
+        if post_process:
+            self.decoder.final_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=config,
+                                                     init_method=config.init_method, bias=False, gather_output=False)
+            self.mtp.layers.extend(DeepseekV41Layer(config, args, args.num_layers + stage)
+                                   for stage in range(args.num_draft_layers))
+        if self.mtp.layers:
             first = self.mtp.layers[0]
             first.main_proj = ReplicatedLinear(args.hidden_size * len(args.text.dspark_target_layer_ids),
                                                args.hidden_size, config)
             first.main_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.mtp.layers[-1].heads = DSparkHeads(config, args)
-        self.engram_hasher = DeepseekV41NgramHasher(args.text) if args.text.engram_layer_ids else None
+        engram_here = any(layer.engram is not None for layer in self.decoder.layers)
+        self.engram_hasher = DeepseekV41NgramHasher(args.text) if engram_here else None
         if self.engram_hasher is not None and token_map is not None:
             self.engram_hasher.set_token_map(token_map)
         self.carried = nn.Module()
-        for name, (shape, dtype) in (carried or {}).items():
+        for name, (shape, dtype) in ((carried or {}) if pre_process else {}).items():
             # replicated, never cast (`keep_fp32` keeps the checkpoint's dtype, whatever it is)
             self.carried.register_buffer(carried_name(name), keep_fp32(torch.zeros(shape, dtype=dtype)))
         for name, param in self.named_parameters():
@@ -163,7 +182,19 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     sharded_state_dict = DeepseekV4Model.sharded_state_dict  # reads each tensor's own parallel attributes
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Megatron's schedules call it; at one pipeline stage there is nothing to receive."""
+        """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def received(self):
+        """(input_ids [B, S], (streams, pre, state)) the previous stage sent (`pipeline.pack`)."""
+        *entering, input_ids = pipeline.unpack(self.args, self.boundary, self.input_tensor, self.config.pipeline_dtype,
+                                               self.config.params_dtype)
+        return input_ids, tuple(entering)
+
+    def embedded(self, input_ids: torch.Tensor):
+        """The first layer's (streams, pre, state): the embeddings copied into hc_mult streams, pre on stream 0."""
+        streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        return streams, self.first_pre(streams), CompressedState()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None,
@@ -177,6 +208,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         (that output, DraftOutput); `draft_ids` [B, S, K - 1] picks the Markov biases (default: greedy)."""
         gpt_call.refuse_unsupported("DeepSeek-V4.1", inference_context, inference_params, extra_block_kwargs)
         gpt_call.refuse_mtp_training("DeepSeek-V4.1", mtp_kwargs)
+        entering = None
+        if not self.pre_process:  # the previous stage sends the token ids with the streams and state
+            input_ids, entering = self.received()
         if input_ids is None or decoder_input is not None:
             raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
         layout = gpt_call.input_layout("DeepSeek-V4.1", input_ids, None, position_ids, attention_mask,
@@ -184,14 +218,24 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         if draft_anchor_ids is not None and layout.context_parallel_keys is not None:
             raise ValueError("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark drafts run "
                              "without it (pass the whole rows at context parallel size 1)")
+        if draft_anchor_ids is not None and self.config.pipeline_model_parallel_size > 1:
+            raise ValueError("deepseek_v41: draft_anchor_ids at pipeline parallel size > 1: the DSpark drafts read "
+                             "the word embedding and the target layers of every stage (run them at one stage)")
+        if not layout.plain and self.config.pipeline_model_parallel_size > 1:
+            raise ValueError("deepseek_v41: packed or padded rows at pipeline parallel size > 1 are not implemented "
+                             "(each sequence runs as a row of its own, whose state the stages do not exchange): pass "
+                             "plain rows")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
         if layout.context_parallel_keys is not None:
             hidden = self.context_parallel_share(input_ids, layout)
         elif layout.plain:
-            hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None)
+            hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None,
+                                            entering=entering)
         else:
             hidden = self.each_sequence(input_ids, layout)
+        if not self.post_process:
+            return hidden  # what the next stage receives (`pipeline.pack`)
         logits, _ = self.output_layer(hidden)
         output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
         if draft_anchor_ids is None:
@@ -231,18 +275,19 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         return shares.put_back(hidden_rows)
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
-                 shares: SequenceShares | None = None):
+                 shares: SequenceShares | None = None, entering: tuple | None = None):
         """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
         DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
-        routed to no expert. `shares`: the rows are this CP rank's tokens of each sequence (context_parallel_share)."""
+        routed to no expert. `shares`: the rows are this CP rank's tokens of each sequence (context_parallel_share).
+        `entering`: (streams, pre, state) from the previous pipeline stage (`received`); on a stage before the last
+        the first output is the tensor sent to the next stage (`pipeline.pack`)."""
         text = self.args.text
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
-        streams = self.embedding.word_embeddings(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
-        pre = self.first_pre(streams)
+        streams, pre, state = entering or self.embedded(input_ids)
         hash_ids = self.engram_hashes(input_ids, shares) if self.engram_hasher is not None else None
-        state, targets = CompressedState(), []
+        targets = []
         for layer in self.decoder.layers:
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, :, text.engram_layer_ids.index(layer.layer_idx)], None)
@@ -250,8 +295,15 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                 targets.append(streams.float().mean(dim=2).to(streams.dtype))
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
                                  padding)
+        if not self.post_process:
+            return pipeline.pack(self.args, self.boundary_after(), streams, pre, state, input_ids,
+                                 self.config.pipeline_dtype), None
         hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
         return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
+
+    def boundary_after(self) -> pipeline.Boundary:
+        """What this stage hands the next."""
+        return pipeline.Boundary.before(self.args, self.decoder.layers[-1].layer_idx + 1)
 
     def engram_hashes(self, input_ids: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
         """The n-gram hash ids of each token [B, S, engram layers, columns]; under context parallelism the n-grams
@@ -299,6 +351,17 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                            dim=-1)
         confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
         return DraftOutput(logits, confidence, torch.stack(chosen, dim=-1))
+
+
+def stage_layers(config) -> range:
+    """The model's layers this pipeline stage builds (Megatron's split: get_transformer_layer_offset)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_size == 1:
+        return range(config.num_layers)
+    offset = get_transformer_layer_offset(config)
+    return range(offset, offset + get_num_layers_to_build(config))
 
 
 def draft_attention(attention: DeepseekV41Attention, x: torch.Tensor, main_x: torch.Tensor) -> torch.Tensor:
