@@ -185,11 +185,10 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
-    def received(self):
-        """(input_ids [B, S], (streams, pre, state)) the previous stage sent (`pipeline.pack`)."""
-        *entering, input_ids = pipeline.unpack(self.args, self.boundary, self.input_tensor, self.config.pipeline_dtype,
-                                               self.config.params_dtype)
-        return input_ids, tuple(entering)
+    def received(self, layout: TokenLayout):
+        """The rows' (streams, pre, state) the previous stage sent (`pipeline.pack`)."""
+        return pipeline.unpack(self.args, self.boundary, self.input_tensor, row_lengths(layout),
+                               self.config.pipeline_dtype, self.config.params_dtype)
 
     def embedded(self, input_ids: torch.Tensor):
         """The first layer's (streams, pre, state): the embeddings copied into hc_mult streams, pre on stream 0."""
@@ -208,9 +207,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         (that output, DraftOutput); `draft_ids` [B, S, K - 1] picks the Markov biases (default: greedy)."""
         gpt_call.refuse_unsupported("DeepSeek-V4.1", inference_context, inference_params, extra_block_kwargs)
         gpt_call.refuse_mtp_training("DeepSeek-V4.1", mtp_kwargs)
-        entering = None
         if not self.pre_process:  # the previous stage sends the token ids with the streams and state
-            input_ids, entering = self.received()
+            input_ids = pipeline.received_ids(self.input_tensor)
         if input_ids is None or decoder_input is not None:
             raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
         layout = gpt_call.input_layout("DeepSeek-V4.1", input_ids, None, position_ids, attention_mask,
@@ -221,21 +219,19 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         if draft_anchor_ids is not None and self.config.pipeline_model_parallel_size > 1:
             raise ValueError("deepseek_v41: draft_anchor_ids at pipeline parallel size > 1: the DSpark drafts read "
                              "the word embedding and the target layers of every stage (run them at one stage)")
-        if not layout.plain and self.config.pipeline_model_parallel_size > 1:
-            raise ValueError("deepseek_v41: packed or padded rows at pipeline parallel size > 1 are not implemented "
-                             "(each sequence runs as a row of its own, whose state the stages do not exchange): pass "
-                             "plain rows")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
+        entering = None if self.pre_process else self.received(layout)
         if layout.context_parallel_keys is not None:
             hidden = self.context_parallel_share(input_ids, layout)
         elif layout.plain:
             hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None,
                                             entering=entering)
         else:
-            hidden = self.each_sequence(input_ids, layout)
-        if not self.post_process:
-            return hidden  # what the next stage receives (`pipeline.pack`)
+            hidden = self.each_sequence(input_ids, layout, entering)
+        if not self.post_process:  # the rows' streams, pre and state for the next stage
+            return pipeline.pack(self.args, self.boundary_after(), *hidden, row_lengths(layout), input_ids,
+                                 self.config.pipeline_dtype)
         logits, _ = self.output_layer(hidden)
         output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
         if draft_anchor_ids is None:
@@ -247,10 +243,11 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                              f"{list(draft_anchor_ids.shape)}")
         return output, self.draft(targets, draft_anchor_ids, draft_ids)
 
-    def each_sequence(self, input_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def each_sequence(self, input_ids: torch.Tensor, layout: TokenLayout, entering: tuple | None = None):
         """A packed or padded batch: its sequences as right-padded rows of one forward (a sequence's tokens then see
         exactly what they would alone: attention, latents, top-k and n-grams only look back, and the padding goes
-        to no expert), their hidden states put back in place (zeros at padding) [B, S, hidden]."""
+        to no expert), their hidden states put back in place (zeros at padding) [B, S, hidden]; before the last
+        pipeline stage the rows' (streams, pre, state). `entering`: what the previous stage sent."""
         if not layout.contiguous():
             raise ValueError("deepseek_v41: the compressor pools each sequence's consecutive tokens from its start; "
                              "this attention_mask is not causal over runs of consecutive tokens: pass a [batch, 1, 1, "
@@ -260,7 +257,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                             batch_first=True)
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
         padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
-        hidden_rows, _ = self.backbone(rows, padding)
+        hidden_rows, _ = self.backbone(rows, padding, entering=entering)
+        if not self.post_process:
+            return hidden_rows
         hidden = hidden_rows.new_zeros(*input_ids.shape, hidden_rows.shape[-1])
         for number, (row, start, length) in enumerate(sequences):
             hidden[row, start:start + length] = hidden_rows[number, :length]
@@ -279,8 +278,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         """The final hidden states [B, S, hidden] of plain rows and, with `keep_targets`, the stream means of the
         DSpark target layers' attention inputs [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens
         routed to no expert. `shares`: the rows are this CP rank's tokens of each sequence (context_parallel_share).
-        `entering`: (streams, pre, state) from the previous pipeline stage (`received`); on a stage before the last
-        the first output is the tensor sent to the next stage (`pipeline.pack`)."""
+        `entering`: the rows' (streams, pre, state) from the previous pipeline stage (`received`); on a stage
+        before the last the first output is what this stage's layers leave, (streams, pre, state)."""
         text = self.args.text
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
@@ -296,8 +295,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
                                  padding)
         if not self.post_process:
-            return pipeline.pack(self.args, self.boundary_after(), streams, pre, state, input_ids,
-                                 self.config.pipeline_dtype), None
+            return (streams, pre, state), None
         hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
         return hidden, (torch.cat(targets, dim=-1) if keep_targets else None)
 
@@ -351,6 +349,13 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                            dim=-1)
         confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
         return DraftOutput(logits, confidence, torch.stack(chosen, dim=-1))
+
+
+def row_lengths(layout: TokenLayout) -> list[int]:
+    """The tokens of each row the layers run: the batch's rows, or each sequence of a packed or padded batch."""
+    if layout.plain:
+        return [layout.shape[1]] * layout.shape[0]
+    return [length for *_, length in layout.sequences]
 
 
 def stage_layers(config) -> range:
