@@ -15,10 +15,10 @@ Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the ch
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
 compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
 packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
-sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages (plain
-rows) hold their layers as Megatron places them; between stages travel the streams, the last site's pre, the CSA2
-state and the token ids, packed into one tensor (model/pipeline.py). No sequence parallelism (the provider refuses
-it).
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages hold
+their layers as Megatron places them; between stages travel each row's (or packed sequence's) streams, the last
+site's pre and the CSA2 state, and the token ids, packed into one tensor (model/pipeline.py). No sequence
+parallelism, no pipeline stages under context parallelism (the provider refuses those layouts).
 """
 
 from __future__ import annotations
@@ -123,9 +123,10 @@ class DraftOutput:
 class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     """One pipeline stage of the model (the whole model at one stage), placed as GPTModel places its pieces: the
     first stage (`pre_process`) embeds and carries the unused checkpoint tensors, the last (`post_process`) holds the
-    final norm, the output layer and the DSpark layers; a stage with Engram layers hashes the token ids. Frozen by default (requires_grad False), as in the reference: the
-    indexers (their scores only feed a top-k), the Engram tables (`train_engram_tables=True` trains them), the
-    DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers."""
+    final norm, the output layer and the DSpark layers; a stage with Engram layers hashes the token ids. Frozen by
+    default (requires_grad False), as in the reference: the indexers (their scores only feed a top-k), the Engram
+    tables (`train_engram_tables=True` trains them), the DSpark layers (trained after pre-training with the backbone
+    frozen); the router biases are buffers."""
 
     model_type = ModelType.encoder_or_decoder
 
@@ -208,6 +209,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         gpt_call.refuse_unsupported("DeepSeek-V4.1", inference_context, inference_params, extra_block_kwargs)
         gpt_call.refuse_mtp_training("DeepSeek-V4.1", mtp_kwargs)
         if not self.pre_process:  # the previous stage sends the token ids with the streams and state
+            if self.input_tensor is None:
+                raise ValueError("deepseek_v41: a pipeline stage after the first runs on what the previous stage "
+                                 "sent: drive the stages with Megatron's schedules (get_forward_backward_func)")
             input_ids = pipeline.received_ids(self.input_tensor)
         if input_ids is None or decoder_input is not None:
             raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
