@@ -107,9 +107,10 @@ class DeepseekV41Provider(ModelProvider):
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         super().check_parallel_layout(tp, ep, cp, pp)
-        if pp != 1:
-            raise ValueError(f"deepseek_v41: pipeline parallel size {pp}: the model runs at one pipeline stage (the "
-                             "cross-layer CSA2 state does not cross stages yet)")
+        if pp > 1 and cp > 1:
+            raise ValueError(f"deepseek_v41: pipeline parallel size {pp} with context parallel size {cp} is not "
+                             "implemented (a CP rank's state is per sequence, not per row of the micro-batch, and "
+                             "the stages exchange the state of rows)")
         v41_config.check_parallel(self.hf_config, tp, ep)
 
     @property
@@ -197,10 +198,16 @@ class DeepseekV41Provider(ModelProvider):
 
         token_map = None if config.init_model_with_meta_device else self.engram_token_map()
         return DeepseekV41Model(config, self.args, self.padded_vocab_size(), token_map, self.carried_tensors(),
-                                self.train_engram_tables, self.fake_quant)
+                                self.train_engram_tables, self.fake_quant, **self.pipeline_stage())
 
     def oracle_forward_kwargs(self) -> dict:
         return {"fake_quant": True} if self.fake_quant else {}
+
+    def pipeline_seq_length(self, seq_length: int) -> int:
+        # streams, pre, the CSA2 state and the token ids travel between stages (model/pipeline.py)
+        from modelzoo.deepseek_v41.model.pipeline import boundary_length
+
+        return boundary_length(self.args, seq_length, self.params_dtype)
 
     def mapping(self):
         return deepseek_v41_mapping(self.hf_config, self.carried_tensors())

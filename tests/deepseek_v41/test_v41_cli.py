@@ -1,7 +1,7 @@
-"""DeepSeek-V4.1 through the CLI: HF -> Megatron (torch_dist) -> HF bit-exact (the image delimiters carried through),
-`modelzoo parity` at TP 1, TP 2, TP 2 + SP and EP 2, `modelzoo logprobs` against our reference, and bad inputs (a
-missing or mismatched tokenizer, a layout the model cannot run, a checkpoint of mixed namings) refused in one
-sentence with exit 2 and nothing written."""
+"""DeepSeek-V4.1 through the CLI: HF -> Megatron (torch_dist, at TP 2, EP 2 or PP 2) -> HF bit-exact (the image
+delimiters carried through), `modelzoo parity` at TP 1, TP 2, TP 2 + SP and EP 2, `modelzoo logprobs` against our
+reference, and bad inputs (a missing or mismatched tokenizer, a layout the model cannot run, a checkpoint of mixed
+namings) refused in one sentence with exit 2 and nothing written."""
 
 import json
 import re
@@ -18,7 +18,8 @@ from modelzoo.conversion.cli import main
 @pytest.mark.parametrize("import_layout, export_layout", [
     (["--tp", "2"], ["--tp", "1"]),
     (["--ep", "2"], ["--tp", "2"]),
-], ids=["tp2-to-tp1", "ep2-to-tp2"])
+    (["--pp", "2"], []),
+], ids=["tp2-to-tp1", "ep2-to-tp2", "pp2-to-pp1"])
 def test_cli_round_trip_is_bit_exact(tmp_path, import_layout, export_layout):
     assert main(["import", str(V41_TINY), str(tmp_path / "megatron"), *import_layout]) == 0
     assert main(["export", str(tmp_path / "megatron"), str(tmp_path / "hf"), *export_layout]) == 0
@@ -69,7 +70,7 @@ def _copy_without_tokenizer(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "3"], "expert parallel size 3 must divide n_routed_experts"),
     (["--tp", "4"], "tensor parallel size 4 must divide o_groups \\(2\\)"),
-    (["--pp", "2"], "pipeline parallel size 2: the model runs at one pipeline stage"),
+    (["--pp", "3"], "pipeline parallel size 3 must divide the 10 decoder layers"),
 ])
 def test_cli_refuses_a_layout_it_cannot_run(tmp_path, capsys, argv, message):
     assert main(["import", str(V41_TINY), str(tmp_path / "out"), *argv]) == 2

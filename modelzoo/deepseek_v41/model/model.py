@@ -15,8 +15,11 @@ Module names follow Megatron's and DeepSeek-V4's (mapping.py maps them to the ch
 Packed (THD) and padded batches run each sequence as a right-padded row of one forward (`each_sequence`): the
 compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
 packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
-sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). One pipeline stage
-(the provider refuses more); sequence parallelism is not combined with context parallelism (refused).
+sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages hold
+their layers as Megatron places them; between stages travel each row's (or packed sequence's) streams, the last
+site's pre and the CSA2 state, and the token ids, packed into one tensor (model/pipeline.py). Sequence parallelism is
+combined with neither context parallelism nor pipeline stages, nor are pipeline stages with context parallelism
+(refused).
 
 Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
 reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
@@ -56,6 +59,7 @@ from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention, state_va
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.model.engram import DeepseekV41Engram
 from modelzoo.deepseek_v41.model.moe import DeepseekV41MoE
+from modelzoo.deepseek_v41.model import pipeline
 from modelzoo.provider import keep_fp32
 from modelzoo.layers.recompute import full_recompute_groups, recomputed, selective_modules
 from modelzoo.layers.sequences import TokenLayout
@@ -98,6 +102,12 @@ class DeepseekV41Layer(nn.Module):
                                          args.text.engram_num_embeddings[engram_ids.index(layer_idx)],
                                          train_engram_tables) if layer_idx in engram_ids else None)
         self.recompute_norms, self.recompute_mlp = "layernorm" in recompute, "moe" in recompute
+
+    @property
+    def mtp_model_layer(self) -> nn.Module:
+        """A draft layer under the name Megatron's MTP layers give their decoder layer (its schedules set the
+        micro-batch number on it)."""
+        return self
 
     def _attention_input(self, streams: torch.Tensor, previous_pre: torch.Tensor):
         attn_pre, post, comb, collapsed, streams = self.attn_hc(streams, previous_pre)
@@ -149,59 +159,69 @@ class DraftOutput:
 
 
 class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
-    """The whole model at one pipeline stage. Frozen by default (requires_grad False), as in the reference: the
-    indexers (their scores only feed a top-k), the Engram tables (`train_engram_tables=True` trains them), the
-    DSpark layers (trained after pre-training with the backbone frozen); the router biases are buffers.
+    """One pipeline stage of the model (the whole model at one stage), placed as GPTModel places its pieces: the
+    first stage (`pre_process`) embeds and carries the unused checkpoint tensors, the last (`post_process`) holds the
+    final norm, the output layer and the DSpark layers; a stage with Engram layers hashes the token ids. Frozen by
+    default (requires_grad False), as in the reference: the indexers (their scores only feed a top-k), the Engram
+    tables (`train_engram_tables=True` trains them), the DSpark layers (trained after pre-training with the backbone
+    frozen); the router biases are buffers.
     `fake_quant=True`: every forward (backbone and DSpark layers) rounds the window K/V to FP8 and the compressed K/V
     and indexer queries and keys to FP4, as the release's inference stores them, with straight-through gradients."""
 
     model_type = ModelType.encoder_or_decoder
 
     def __init__(self, config, args: DeepseekV41Args, padded_vocab_size: int, token_map: torch.Tensor | None,
-                 carried: dict | None = None, train_engram_tables: bool = False, fake_quant: bool = False):
+                 carried: dict | None = None, train_engram_tables: bool = False, fake_quant: bool = False,
+                 pre_process: bool = True, post_process: bool = True):
         """`token_map`: the Engram's normalised vocabulary (None: a forward is refused; a skeleton needs none);
         `carried`: name -> (shape, dtype) of the checkpoint tensors held unused for the export."""
         super().__init__(config=config)
         self.args, self.hc_mult = args, args.hc_mult
-        self.pre_process = self.post_process = True
+        self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size, self.max_sequence_length = args.vocab_size, args.text.max_position_embeddings
         self.share_embeddings_and_output_weights = False
-        self.embedding = nn.Module()
+        self.input_tensor = None
         self.sequence_parallel = sequence_parallel.enabled(config)
         whole_sequence = sequence_parallel.whole_sequence_config(config)
-        self.embedding.word_embeddings = VocabParallelEmbedding(padded_vocab_size, args.hidden_size,
-                                                                init_method=config.init_method, config=config,
-                                                                reduce_scatter_embeddings=self.sequence_parallel)
+        if pre_process:
+            self.embedding = nn.Module()
+            self.embedding.word_embeddings = VocabParallelEmbedding(
+                padded_vocab_size, args.hidden_size, init_method=config.init_method, config=config,
+                reduce_scatter_embeddings=self.sequence_parallel)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList()
         # recompute_granularity="selective": V4's recompute_modules, which name the same pieces of a V4.1 layer
         recompute = selective_modules(config, "DeepSeek-V4.1", SELECTIVE_RECOMPUTE)
-        for index in range(args.num_layers):
+        for index in stage_layers(config):
             layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant, recompute)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
-        # as Megatron's TransformerBlock: runs of layers, each under one checkpoint or not
-        self.decoder.recompute_groups = full_recompute_groups(config, args.num_layers)
-        self.decoder.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
-        self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=whole_sequence,
-                                                 init_method=config.init_method, bias=False, gather_output=False)
+        # as Megatron's TransformerBlock: runs of this stage's layers, each under one checkpoint or not
+        self.decoder.recompute_groups = full_recompute_groups(config, len(self.decoder.layers))
+        # what the previous stage hands this one's first layer
+        self.boundary = pipeline.Boundary.before(args, self.decoder.layers[0].layer_idx)
         self.mtp = nn.Module()
-        # the DSpark layers run on whole rows (drafting is inference: nothing to gain from splitting them)
-        self.mtp.layers = nn.ModuleList(DeepseekV41Layer(whole_sequence, args, args.num_layers + stage,
-                                                         fake_quant=fake_quant)
-                                        for stage in range(args.num_draft_layers))
-        if args.num_draft_layers:
+        self.mtp.layers = nn.ModuleList()
+        if post_process:
+            self.decoder.final_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
+            self.output_layer = ColumnParallelLinear(args.hidden_size, padded_vocab_size, config=whole_sequence,
+                                                     init_method=config.init_method, bias=False, gather_output=False)
+            # the DSpark layers run on whole rows (drafting is inference: nothing to gain from splitting them)
+            self.mtp.layers.extend(DeepseekV41Layer(whole_sequence, args, args.num_layers + stage, fake_quant=fake_quant)
+                                   for stage in range(args.num_draft_layers))
+        if self.mtp.layers:
             first = self.mtp.layers[0]
             first.main_proj = ReplicatedLinear(args.hidden_size * len(args.text.dspark_target_layer_ids),
                                                args.hidden_size, config)
             first.main_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.mtp.layers[-1].heads = DSparkHeads(config, args)
-        self.engram_hasher = DeepseekV41NgramHasher(args.text) if args.text.engram_layer_ids else None
+        engram_here = any(layer.engram is not None for layer in self.decoder.layers)
+        self.engram_hasher = DeepseekV41NgramHasher(args.text) if engram_here else None
         if self.engram_hasher is not None and token_map is not None:
             self.engram_hasher.set_token_map(token_map)
         self.carried = nn.Module()
-        for name, (shape, dtype) in (carried or {}).items():
+        for name, (shape, dtype) in ((carried or {}) if pre_process else {}).items():
             # replicated, never cast (`keep_fp32` keeps the checkpoint's dtype, whatever it is)
             self.carried.register_buffer(carried_name(name), keep_fp32(torch.zeros(shape, dtype=dtype)))
         for name, param in self.named_parameters():
@@ -212,7 +232,19 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     embed = DeepseekV4Model.embed  # under sequence parallelism this rank's tokens
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Megatron's schedules call it; at one pipeline stage there is nothing to receive."""
+        """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def received(self, layout: TokenLayout):
+        """The rows' (streams, pre, state) the previous stage sent (`pipeline.pack`)."""
+        return pipeline.unpack(self.args, self.boundary, self.input_tensor, row_lengths(layout),
+                               self.config.pipeline_dtype, self.config.params_dtype)
+
+    def embedded(self, input_ids: torch.Tensor):
+        """The first layer's (streams, pre, state): the embeddings copied into hc_mult streams (under sequence
+        parallelism this rank's tokens), pre on stream 0."""
+        streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
+        return streams, self.first_pre(streams), CompressedState()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None,
@@ -226,6 +258,11 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         (that output, DraftOutput); `draft_ids` [B, S, K - 1] picks the Markov biases (default: greedy)."""
         gpt_call.refuse_unsupported("DeepSeek-V4.1", inference_context, inference_params, extra_block_kwargs)
         gpt_call.refuse_mtp_training("DeepSeek-V4.1", mtp_kwargs)
+        if not self.pre_process:  # the previous stage sends the token ids with the streams and state
+            if self.input_tensor is None:
+                raise ValueError("deepseek_v41: a pipeline stage after the first runs on what the previous stage "
+                                 "sent: drive the stages with Megatron's schedules (get_forward_backward_func)")
+            input_ids = pipeline.received_ids(self.input_tensor)
         if input_ids is None or decoder_input is not None:
             raise ValueError("deepseek_v41: the model needs input_ids (the Engram hashes them), not decoder_input")
         layout = gpt_call.input_layout("DeepSeek-V4.1", input_ids, None, position_ids, attention_mask,
@@ -233,17 +270,28 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         if draft_anchor_ids is not None and layout.context_parallel_keys is not None:
             raise ValueError("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark drafts run "
                              "without it (pass the whole rows at context parallel size 1)")
+        if draft_anchor_ids is not None and self.config.pipeline_model_parallel_size > 1:
+            raise ValueError("deepseek_v41: draft_anchor_ids at pipeline parallel size > 1: the DSpark drafts read "
+                             "the word embedding and the target layers of every stage (run them at one stage)")
+        if self.sequence_parallel and self.config.pipeline_model_parallel_size > 1:
+            raise ValueError("deepseek_v41: sequence parallelism with pipeline parallelism is not implemented (use "
+                             "either, or tensor parallelism without sequence_parallel beside pipeline stages)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
         if layout.context_parallel_keys is not None and self.sequence_parallel:
             raise ValueError("deepseek_v41: sequence parallelism with context parallelism is not implemented (use "
                              "either, or tensor parallelism without sequence_parallel beside context parallelism)")
+        entering = None if self.pre_process else self.received(layout)
         if layout.context_parallel_keys is not None:
             hidden = self.context_parallel_share(input_ids, layout)
         elif layout.plain:
-            hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None)
+            hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None,
+                                            entering=entering)
         else:
-            hidden = self.each_sequence(input_ids, layout)
+            hidden = self.each_sequence(input_ids, layout, entering)
+        if not self.post_process:  # the rows' streams, pre and state for the next stage
+            return pipeline.pack(self.args, self.boundary_after(), *hidden, row_lengths(layout), input_ids,
+                                 self.config.pipeline_dtype)
         logits, _ = self.output_layer(hidden)
         output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
         if draft_anchor_ids is None:
@@ -255,10 +303,11 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                              f"{list(draft_anchor_ids.shape)}")
         return output, self.draft(targets, draft_anchor_ids, draft_ids)
 
-    def each_sequence(self, input_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def each_sequence(self, input_ids: torch.Tensor, layout: TokenLayout, entering: tuple | None = None):
         """A packed or padded batch: its sequences as right-padded rows of one forward (a sequence's tokens then see
         exactly what they would alone: attention, latents, top-k and n-grams only look back, and the padding goes
-        to no expert), their hidden states put back in place (zeros at padding) [B, S, hidden]."""
+        to no expert), their hidden states put back in place (zeros at padding) [B, S, hidden]; before the last
+        pipeline stage the rows' (streams, pre, state). `entering`: what the previous stage sent."""
         if not layout.contiguous():
             raise ValueError("deepseek_v41: the compressor pools each sequence's consecutive tokens from its start; "
                              "this attention_mask is not causal over runs of consecutive tokens: pass a [batch, 1, 1, "
@@ -270,7 +319,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             rows = torch.nn.functional.pad(rows, (0, -rows.shape[1] % self.config.tensor_model_parallel_size))
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
         padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
-        hidden_rows, _ = self.backbone(rows, padding)
+        hidden_rows, _ = self.backbone(rows, padding, entering=entering)
+        if not self.post_process:
+            return hidden_rows
         hidden = hidden_rows.new_zeros(*input_ids.shape, hidden_rows.shape[-1])
         for number, (row, start, length) in enumerate(sequences):
             hidden[row, start:start + length] = hidden_rows[number, :length]
@@ -285,22 +336,25 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         return shares.put_back(hidden_rows)
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
-                 shares: SequenceShares | None = None):
+                 shares: SequenceShares | None = None, entering: tuple | None = None):
         """The final hidden states [B, S, hidden] of plain rows (of the whole sequence, under sequence parallelism
         too) and, with `keep_targets`, the stream means of the DSpark target layers' attention inputs
         [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens routed to no expert. `shares`: the rows
-        are this CP rank's tokens of each sequence (context_parallel_share)."""
+        are this CP rank's tokens of each sequence (context_parallel_share). `entering`: the rows' (streams, pre,
+        state) from the previous pipeline stage (`received`); on a stage before the last the first output is what
+        this stage's layers leave, (streams, pre, state)."""
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
-        streams = self.embed(input_ids).unsqueeze(2).expand(-1, -1, self.hc_mult, -1)
-        pre = self.first_pre(streams)
+        streams, pre, state = entering or self.embedded(input_ids)
         hash_ids = self.engram_hashes(input_ids, shares) if self.engram_hasher is not None else None
-        compressed, targets = state_values(CompressedState()), []
+        compressed, targets = state_values(state), []
         for layers, recompute in self.decoder.recompute_groups:
             run = functools.partial(self.run_layers, layers, hash_ids, padding, keep_targets, shares)
             streams, pre, group_targets, *compressed = recomputed(run, recompute)(streams, pre, *compressed)
             targets += group_targets
+        if not self.post_process:
+            return (streams, pre, CompressedState(*compressed)), None
         hidden = self.decoder.final_layernorm(plain_collapse(pre, streams))
         targets = torch.cat(targets, dim=-1) if keep_targets else None
         if self.sequence_parallel:
@@ -326,6 +380,10 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
                                  padding)
         return streams, pre, targets, *state_values(state)
+
+    def boundary_after(self) -> pipeline.Boundary:
+        """What this stage hands the next."""
+        return pipeline.Boundary.before(self.args, self.decoder.layers[-1].layer_idx + 1)
 
     def engram_hashes(self, input_ids: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
         """The n-gram hash ids of each token [B, S, engram layers, columns]; under context parallelism the n-grams
@@ -376,6 +434,24 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                            dim=-1)
         confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
         return DraftOutput(logits, confidence, torch.stack(chosen, dim=-1))
+
+
+def row_lengths(layout: TokenLayout) -> list[int]:
+    """The tokens of each row the layers run: the batch's rows, or each sequence of a packed or padded batch."""
+    if layout.plain:
+        return [layout.shape[1]] * layout.shape[0]
+    return [length for *_, length in layout.sequences]
+
+
+def stage_layers(config) -> range:
+    """The model's layers this pipeline stage builds (Megatron's split: get_transformer_layer_offset)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_size == 1:
+        return range(config.num_layers)
+    offset = get_transformer_layer_offset(config)
+    return range(offset, offset + get_num_layers_to_build(config))
 
 
 def draft_attention(attention: DeepseekV41Attention, x: torch.Tensor, main_x: torch.Tensor) -> torch.Tensor:
