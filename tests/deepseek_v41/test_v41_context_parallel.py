@@ -23,7 +23,10 @@ through the dispatcher) and TP 2 x CP 2.
   routed to it. They equal the reference's by test_v41_megatron_parity.py's per-tensor scheme
   (dsv41_helpers.grad_tolerances: against the float64 reference, bars from 1e-5 up to 4 x the fp32 reference's own
   error).
-- Each rank holds only its share: 64 / CP tokens. DSpark drafts (`draft_anchor_ids`) are refused under CP.
+- Each rank holds only its share: 64 / CP tokens. DSpark drafts (`draft_anchor_ids`) and sequence parallelism are
+  refused under CP.
+- Full recompute at CP 2 gives the loss and gradients of the run without it, bit for bit (the same ops on the same
+  inputs: the keys a recomputed layer gathers again are the forward's).
 - The CLI: `logprobs --cp 2` (sequences one at a time and `--pack`) equals the hf backend, and `modelzoo parity
   --cp 2` passes.
 """
@@ -145,6 +148,18 @@ def _rank(rank: int) -> dict:
                 "packed": dict(packed_step, logprobs=[-values[None] for values in batch.split(packed_step["loss"], 1)],
                                whole_tokens=batch.input_ids.shape[1]),
             }
+    with runtime.parallel(cp=2):  # the first layout again, with full recompute (runs of 3 layers)
+        provider = build_provider(V41_TINY, train_engram_tables=True, recompute_granularity="full",
+                                  recompute_method="uniform", recompute_num_layers=3)
+        model = provider.provide()
+        provider.load_hf_weights(model, progress=False)
+        model.eval()
+        batch = pack_sequences(sequences, divisor=4)
+        row_mask = torch.ones(rows.shape)
+        row_mask[:, -1] = 0
+        results["recompute"] = {"rows": _local_step(provider, model, rows, rows.roll(-1, 1), row_mask),
+                                "packed": _local_step(provider, model, batch.input_ids, *batch.labels(),
+                                                      batch.packed_seq_params)}
     with runtime.parallel(tp=2, cp=2):
         model = build_provider(V41_TINY, sequence_parallel=True).provide()
         with pytest.raises(ValueError) as refused:
@@ -197,6 +212,16 @@ def test_drafts_are_refused_under_context_parallelism(ranks):
     for results in ranks:
         assert results["draft refusal"] == ("deepseek_v41: draft_anchor_ids under context parallelism: the DSpark "
                                             "drafts run without it (pass the whole rows at context parallel size 1)")
+
+
+def test_full_recompute_under_context_parallelism_gives_the_same_loss_and_gradients_bit_for_bit(ranks):
+    for rank, results in enumerate(ranks):
+        for form in FORMS:
+            recomputed, plain = results["recompute"][form], results[LAYOUTS[0]][form]
+            assert torch.equal(recomputed["loss"], plain["loss"]), (rank, form)
+            assert recomputed["grads"].keys() == plain["grads"].keys()
+            assert [name for name, grad in recomputed["grads"].items()
+                    if not torch.equal(grad, plain["grads"][name])] == [], (rank, form)
 
 
 def test_sequence_parallelism_with_context_parallelism_is_refused(ranks):

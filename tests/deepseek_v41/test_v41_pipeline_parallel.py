@@ -7,7 +7,9 @@ Two splits of the 10 layers, each crossing the CSA2 state between stages (model/
   index source) published on stage 0;
 - 3 + 7 (`num_layers_in_first_pipeline_stage=3`): layer 3, a reuse layer, reads layer 2's state, and the Engram
   layer 4 on stage 1 hashes the token ids stage 0 sent.
-Batches: 2 micro-batches of 2 rows x 64 tokens (past the sliding window 8, the top-k 8 and the candidate budget),
+Each split also runs with activation recompute (full, uniform runs of 2 layers, on the even split; selective
+core_attn + layernorm + moe on the 3 + 7 split): the state a stage receives enters the checkpointed runs as their
+inputs. Batches: 2 micro-batches of 2 rows x 64 tokens (past the sliding window 8, the top-k 8 and the candidate budget),
 and one micro-batch of the sequences of lengths 3, 21 and 34 packed into a row (each run alone by the reference).
 
 - The last stage's per-token loss from the forward-only schedule is minus the reference's log-probs
@@ -46,7 +48,11 @@ from modelzoo.layers.sequences import pack_sequences
 
 MICRO_BATCHES, ROWS, SEQ = 2, 2, 64
 LENGTHS = (3, 21, 34)
-SPLITS = {"even": {}, "3+7": dict(num_layers_in_first_pipeline_stage=3)}
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+SELECTIVE_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "moe"])
+SPLITS = {"even": {}, "3+7": dict(num_layers_in_first_pipeline_stage=3),
+          "even, full recompute": FULL_RECOMPUTE,
+          "3+7, selective recompute": dict(num_layers_in_first_pipeline_stage=3, **SELECTIVE_RECOMPUTE)}
 FORMS = ("rows", "packed")
 
 
