@@ -111,6 +111,10 @@ class DeepseekV41Provider(ModelProvider):
             raise ValueError(f"deepseek_v41: pipeline parallel size {pp} with context parallel size {cp} is not "
                              "implemented (a CP rank's state is per sequence, not per row of the micro-batch, and "
                              "the stages exchange the state of rows)")
+        if tp > 1 and self.config_overrides.get("sequence_parallel") and (cp > 1 or pp > 1):
+            other = f"context parallel size {cp}" if cp > 1 else f"pipeline parallel size {pp}"
+            raise ValueError(f"deepseek_v41: sequence parallelism with {other} is not implemented (use tensor "
+                             "parallelism without sequence_parallel there)")
         v41_config.check_parallel(self.hf_config, tp, ep)
 
     @property

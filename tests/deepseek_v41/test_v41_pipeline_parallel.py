@@ -19,7 +19,7 @@ and one micro-batch of the sequences of lengths 3, 21 and 34 packed into a row (
   float64 reference, bars from 1e-5 up to 4 x the fp32 reference's own error); frozen tensors get none.
 - A torch_dist checkpoint written at PP 2 loads at PP 1 and one written at PP 1 loads at PP 2: the weights exported
   after loading are bit-identical to the checkpoint's; every rank's export at PP 2 yields each tensor once.
-- DSpark drafts are refused at PP 2, PP 2 x CP 2 by the provider, each in one sentence.
+- DSpark drafts are refused at PP 2, and PP 2 x CP 2 and PP 2 x TP 2 + SP by the provider, each in one sentence.
 - The boundary tensor: under bf16 (no spawn) the fp32 `pre` and token ids above 256 come back exactly.
 - The CLI's `parity --pp 2` passes (rows and packed).
 """
@@ -262,6 +262,15 @@ def test_pp_with_cp_is_refused_saying_why():
     with pytest.raises(ValueError, match=r"^deepseek_v41: pipeline parallel size 2 with context parallel size 2 is "
                                          r"not implemented"):
         provider.check_parallel_layout(1, cp=2, pp=2)
+
+
+def test_pp_with_sequence_parallelism_is_refused_saying_why():
+    provider = build_provider(V41_TINY, sequence_parallel=True)
+    with pytest.raises(ValueError) as refused:
+        provider.check_parallel_layout(2, pp=2)
+    assert str(refused.value) == ("deepseek_v41: sequence parallelism with pipeline parallel size 2 is not "
+                                  "implemented (use tensor parallelism without sequence_parallel there)")
+    build_provider(V41_TINY).check_parallel_layout(2, pp=2)  # without sequence parallelism: accepted
 
 
 def test_the_boundary_tensor_carries_pre_and_ids_exactly_in_bf16():

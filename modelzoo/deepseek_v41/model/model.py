@@ -19,7 +19,7 @@ sequences gathered over the CP group (`context_parallel_share`, model/context_pa
 their layers as Megatron places them; between stages travel each row's (or packed sequence's) streams, the last
 site's pre and the CSA2 state, and the token ids, packed into one tensor (model/pipeline.py). Sequence parallelism is
 combined with neither context parallelism nor pipeline stages, nor are pipeline stages with context parallelism
-(refused).
+(the provider refuses those layouts).
 
 Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
 reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
@@ -273,14 +273,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         if draft_anchor_ids is not None and self.config.pipeline_model_parallel_size > 1:
             raise ValueError("deepseek_v41: draft_anchor_ids at pipeline parallel size > 1: the DSpark drafts read "
                              "the word embedding and the target layers of every stage (run them at one stage)")
-        if self.sequence_parallel and self.config.pipeline_model_parallel_size > 1:
-            raise ValueError("deepseek_v41: sequence parallelism with pipeline parallelism is not implemented (use "
-                             "either, or tensor parallelism without sequence_parallel beside pipeline stages)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
-        if layout.context_parallel_keys is not None and self.sequence_parallel:
-            raise ValueError("deepseek_v41: sequence parallelism with context parallelism is not implemented (use "
-                             "either, or tensor parallelism without sequence_parallel beside context parallelism)")
         entering = None if self.pre_process else self.received(layout)
         if layout.context_parallel_keys is not None:
             hidden = self.context_parallel_share(input_ids, layout)
