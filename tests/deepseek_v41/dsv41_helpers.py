@@ -124,6 +124,19 @@ def trainable_reference(folder, dtype: torch.dtype = torch.float32):
     return model
 
 
+def reference_by_form(batches: dict[str, list[torch.Tensor]], dtype: torch.dtype, divisor) -> dict:
+    """Per form (name -> the batches our reference runs, each whole sequences): the log-probs of each batch and the
+    gradients of minus their sum divided by `divisor(form, logprobs)` (the loss a parallel run reduces to)."""
+    results = {}
+    for form, form_batches in batches.items():
+        model = trainable_reference(V41_TINY, dtype)
+        logprobs = [next_token_logprobs(model(batch).logits, batch) for batch in form_batches]
+        (-sum(values.sum() for values in logprobs) / divisor(form, logprobs)).backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        results[form] = dict(logprobs=[values.detach() for values in logprobs], grads=grads)
+    return results
+
+
 def reference_run(folder, rows: torch.Tensor, dtype: torch.dtype = torch.float32, fake_quant: bool = False):
     """Our reference: token log-probs, draft output, and the gradients of -mean(log-probs) by name (Engram tables
     made trainable)."""

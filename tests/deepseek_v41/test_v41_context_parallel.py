@@ -44,9 +44,8 @@ from dsv41_helpers import (
     grad_tolerances,
     gradients_too_far,
     megatron_grads_as_hf,
-    next_token_logprobs,
     random_rows,
-    trainable_reference,
+    reference_by_form,
 )
 
 from modelzoo import build_provider, runtime
@@ -72,14 +71,7 @@ def _batches() -> dict[str, list[torch.Tensor]]:
 
 def _reference(dtype: torch.dtype) -> dict:
     """Per form: the log-probs of each batch and the gradients of minus the mean log-prob over the form's tokens."""
-    results = {}
-    for form, batches in _batches().items():
-        model = trainable_reference(V41_TINY, dtype)
-        logprobs = [next_token_logprobs(model(batch).logits, batch) for batch in batches]
-        (-sum(values.sum() for values in logprobs) / sum(values.numel() for values in logprobs)).backward()
-        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-        results[form] = dict(logprobs=[values.detach() for values in logprobs], grads=grads)
-    return results
+    return reference_by_form(_batches(), dtype, lambda form, logprobs: sum(values.numel() for values in logprobs))
 
 
 @pytest.fixture(scope="module")

@@ -36,9 +36,8 @@ from dsv41_helpers import (
     V41_TINY,
     grad_tolerances,
     gradients_too_far,
-    next_token_logprobs,
     random_rows,
-    trainable_reference,
+    reference_by_form,
 )
 from safetensors.torch import load_file
 
@@ -78,14 +77,8 @@ def _micro_batches(form: str) -> list[dict]:
 def _reference(dtype: torch.dtype) -> dict:
     """Per form: the log-probs of each batch the reference runs and the gradients of the schedule's loss (the mean
     over micro-batches of each one's summed -log-probs)."""
-    results = {}
-    for form, batches in {"rows": _tokens(), "packed": [torch.tensor([s]) for s in _sequences()]}.items():
-        model = trainable_reference(V41_TINY, dtype)
-        logprobs = [next_token_logprobs(model(batch).logits, batch) for batch in batches]
-        (-sum(values.sum() for values in logprobs) / len(_micro_batches(form))).backward()
-        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-        results[form] = dict(logprobs=[values.detach() for values in logprobs], grads=grads)
-    return results
+    batches = {"rows": _tokens(), "packed": [torch.tensor([sequence]) for sequence in _sequences()]}
+    return reference_by_form(batches, dtype, lambda form, _: len(_micro_batches(form)))
 
 
 @pytest.fixture(scope="module")
