@@ -7,6 +7,7 @@ JSON lines; a chunk's tensors travel as a safetensors file in the engine's work 
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 from pathlib import Path
@@ -20,6 +21,10 @@ RUNNER = Path(__file__).with_name("engine_runner.py")
 NO_ENGINE = f"{ENGINE_PYTHON} is missing: the engine tests need vLLM's venv, made by 'bash .ci/setup_vllm'"
 START_SECONDS = 600    # importing vLLM and starting an engine: about 40 s alone on 2 cores, more when shared
 REQUEST_SECONDS = 300
+# glibc fills every block it hands out with the byte MALLOC_PERTURB ^ 0xFF (and freed blocks with MALLOC_PERTURB):
+# the engine's uninitialised tensors read 0x41414141 (12.1 in fp32, 12.0 in bf16) in every run instead of whatever a
+# freed buffer held, so reading them is caught the same way each time (the split-group control)
+MALLOC_PERTURB = 0x41 ^ 0xFF
 
 
 class EngineError(RuntimeError):
@@ -36,7 +41,7 @@ class Engine:
         with self.log.open("w") as log:
             self.process = subprocess.Popen([str(ENGINE_PYTHON), str(RUNNER), str(checkpoint), "--dtype", dtype],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                            cwd=workdir)
+                                            cwd=workdir, env={**os.environ, "MALLOC_PERTURB_": str(MALLOC_PERTURB)})
         self.request({"op": "state"}, START_SECONDS)  # answered once the engine has started
 
     def request(self, message: dict, timeout: float = REQUEST_SECONDS) -> dict:

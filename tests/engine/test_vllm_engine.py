@@ -8,8 +8,12 @@ measured gaps). One engine runs at a time: the tests are grouped by the engine t
 Tolerances:
 - FP32_TOLERANCE 1e-5: both sides compute in fp32 from the same weights; only the order of additions differs
   (vLLM's CPU kernels against torch's), which moves log-probs of about -5.5 by a few 1e-7 (measured at most 1.5e-6).
-- SPLIT_GROUP_MIN_GAP 0.1: a group split across calls leaves the engine's layer with unloaded (uninitialised) values
-  (measured 0.5 to 1.5 off, or NaN); 10^4 times FP32_TOLERANCE: the comparison that passes the real sync fails it.
+- SPLIT_GROUP_MIN_GAP 0.1: a group split across calls leaves the engine's layer with unloaded (uninitialised) values:
+  vLLM materialises the layer on every call, loads what the call brought and copies the whole layer in. The engine
+  runs with glibc's MALLOC_PERTURB_ (engine_client.py), so uninitialised memory reads as fill bytes, never as stale
+  contents of a freed buffer that may hold the same weights (without it the gap went from 0.004 to 1.5 as the
+  allocator reused memory); measured 1.2 (Llama) and 0.60 (LoopCoder), the same in every run; 10^4 times
+  FP32_TOLERANCE: the comparison that passes the real sync fails it.
 - STALE_MIN_GAP 1e-3: a training step moves the log-probs by more than this (measured 0.1 and up), so an engine
   that kept the previous weights fails the 1e-5 comparison by a wide margin.
 - BF16_GAP_BOUND 0.05: bf16 keeps 8 significant bits (relative rounding 2^-9 per value) and both sides round
