@@ -60,10 +60,11 @@ def check_before_building(provider, read_values: bool = False) -> None:
         reader.close()
 
 
-def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32):
+def load_hf_model(hf_dir: str | Path, dtype: torch.dtype = torch.float32, provider=None):
     """The oracle with every weight from the checkpoint: transformers would initialise a missing one at random
-    and only log it, so a missing, unexpected or mis-shaped tensor is refused here (as the Megatron side does)."""
-    provider = build_provider(hf_dir)
+    and only log it, so a missing, unexpected or mis-shaped tensor is refused here (as the Megatron side does).
+    `provider`: the checkpoint's provider, when the caller has built one already."""
+    provider = provider if provider is not None else build_provider(hf_dir)
     # _transformers_quiet: its load report and progress bar; a mismatch is reported below, in one line
     with provider.oracle_checkpoint() as folder, _transformers_quiet():
         model, info = provider.hf_model_class().from_pretrained(folder, dtype=dtype, output_loading_info=True)
@@ -88,7 +89,7 @@ def hf_outputs(hf_dir: str | Path, batches: list[torch.Tensor], dtype: torch.dty
         provider = build_provider(hf_dir, params_dtype=dtype, **(options or {}))
         check_before_building(provider, read_values=True)
     check_files_of(hf_dir)  # transformers opens whichever files it looks for: none may lead out of the folder
-    model = load_hf_model(hf_dir, dtype).to(runtime.device())
+    model = load_hf_model(hf_dir, dtype, provider).to(runtime.device())
     outputs = []
     for input_ids in batches:
         logits = model(input_ids.to(runtime.device()), use_cache=False,

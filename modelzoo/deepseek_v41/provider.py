@@ -107,14 +107,9 @@ class DeepseekV41Provider(ModelProvider):
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         super().check_parallel_layout(tp, ep, cp, pp)
-        if pp > 1 and cp > 1:
-            raise ValueError(f"deepseek_v41: pipeline parallel size {pp} with context parallel size {cp} is not "
-                             "implemented (a CP rank's state is per sequence, not per row of the micro-batch, and "
-                             "the stages exchange the state of rows)")
-        if tp > 1 and self.config_overrides.get("sequence_parallel") and (cp > 1 or pp > 1):
-            other = f"context parallel size {cp}" if cp > 1 else f"pipeline parallel size {pp}"
-            raise ValueError(f"deepseek_v41: sequence parallelism with {other} is not implemented (use tensor "
-                             "parallelism without sequence_parallel there)")
+        if tp > 1 and self.config_overrides.get("sequence_parallel") and cp > 1:
+            raise ValueError(f"deepseek_v41: sequence parallelism with context parallel size {cp} is not implemented "
+                             "(use tensor parallelism without sequence_parallel there)")
         v41_config.check_parallel(self.hf_config, tp, ep)
 
     @property
@@ -208,10 +203,17 @@ class DeepseekV41Provider(ModelProvider):
         return {"fake_quant": True} if self.fake_quant else {}
 
     def pipeline_seq_length(self, seq_length: int) -> int:
-        # streams, pre, the CSA2 state and the token ids travel between stages (model/pipeline.py)
+        # streams, pre, the CSA2 state and the token ids travel between stages (model/pipeline.py); the schedules
+        # divide this by the CP size, and by the TP size under sequence parallelism, where every TP rank sends what
+        # a whole row would
+        from megatron.core import parallel_state
+
         from modelzoo.deepseek_v41.model.pipeline import boundary_length
 
-        return boundary_length(self.args, seq_length, self.params_dtype)
+        cp = parallel_state.get_context_parallel_world_size()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        split = cp * (tp if self.config_overrides.get("sequence_parallel") else 1)
+        return boundary_length(self.args, seq_length, self.params_dtype, cp) * split
 
     def mapping(self):
         return deepseek_v41_mapping(self.hf_config, self.carried_tensors())

@@ -16,10 +16,10 @@ Packed (THD) and padded batches run each sequence as a right-padded row of one f
 compressor pools fixed positions from each sequence's start. Under context parallelism (Megatron's layout, plain or
 packed rows) a rank runs its tokens of each sequence as such rows, with the keys, latents and n-grams of the whole
 sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages hold
-their layers as Megatron places them; between stages travel each row's (or packed sequence's) streams, the last
-site's pre and the CSA2 state, and the token ids, packed into one tensor (model/pipeline.py). Sequence parallelism is
-combined with neither context parallelism nor pipeline stages, nor are pipeline stages with context parallelism
-(the provider refuses those layouts).
+their layers as Megatron places them; between stages travel each row's (or packed sequence's, or under context
+parallelism each sequence's share) streams, the last site's pre and the CSA2 state, and the token ids, packed into
+one tensor (model/pipeline.py). Sequence parallelism is not combined with context parallelism (the provider refuses
+that layout).
 
 Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
 reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
@@ -41,7 +41,7 @@ import dataclasses
 import functools
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer.module import MegatronModule
@@ -235,10 +235,24 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         """Megatron's schedules hand each pipeline stage the previous stage's output (None on the first stage)."""
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
-    def received(self, layout: TokenLayout):
+    def received(self, shapes: pipeline.RowShapes):
         """The rows' (streams, pre, state) the previous stage sent (`pipeline.pack`)."""
-        return pipeline.unpack(self.args, self.boundary, self.input_tensor, row_lengths(layout),
-                               self.config.pipeline_dtype, self.config.params_dtype)
+        return pipeline.unpack(self.args, self.boundary, self.input_tensor, shapes, self.config.pipeline_dtype,
+                               self.config.params_dtype)
+
+    def row_shapes(self, layout: TokenLayout, shares: SequenceShares | None) -> pipeline.RowShapes:
+        """What this rank holds of each row its layers run (as `each_sequence` and `context_parallel_share` lay
+        the rows out)."""
+        if shares is not None:
+            here = (~shares.padding).sum(dim=1).tolist()
+            return pipeline.RowShapes(here, here, [length for *_, length in layout.whole_rows().sequences],
+                                      shares.padding.shape[1], shares.padding.shape[1], shares.key_index.shape[1])
+        lengths = [layout.shape[1]] * layout.shape[0] if layout.plain else [length for *_, length in layout.sequences]
+        if not self.sequence_parallel:
+            return pipeline.RowShapes.whole_rows(lengths)
+        tp = self.config.tensor_model_parallel_size
+        return pipeline.RowShapes.sequence_parallel(lengths, max(lengths) + -max(lengths) % tp, tp,
+                                                    parallel_state.get_tensor_model_parallel_rank())
 
     def embedded(self, input_ids: torch.Tensor):
         """The first layer's (streams, pre, state): the embeddings copied into hc_mult streams (under sequence
@@ -275,17 +289,21 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                              "the word embedding and the target layers of every stage (run them at one stage)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
-        entering = None if self.pre_process else self.received(layout)
-        if layout.context_parallel_keys is not None:
-            hidden = self.context_parallel_share(input_ids, layout)
+        shares = SequenceShares(layout) if layout.context_parallel_keys is not None else None
+        shapes = self.row_shapes(layout, shares)
+        entering = None if self.pre_process else self.received(shapes)
+        if shares is not None:
+            hidden = self.context_parallel_share(input_ids, shares, entering)
         elif layout.plain:
             hidden, targets = self.backbone(input_ids, padding_mask, keep_targets=draft_anchor_ids is not None,
                                             entering=entering)
         else:
             hidden = self.each_sequence(input_ids, layout, entering)
         if not self.post_process:  # the rows' streams, pre and state for the next stage
-            return pipeline.pack(self.args, self.boundary_after(), *hidden, row_lengths(layout), input_ids,
-                                 self.config.pipeline_dtype)
+            cp = self.config.context_parallel_size
+            rows = pipeline.boundary_length(self.args, input_ids.shape[1] * cp, self.config.pipeline_dtype, cp)
+            return pipeline.pack(self.args, self.boundary_after(), *hidden, shapes, input_ids,
+                                 self.config.pipeline_dtype, rows)
         logits, _ = self.output_layer(hidden)
         output = gpt_call.language_model_output(logits, labels, self.args.vocab_size, runtime_gather_output)
         if draft_anchor_ids is None:
@@ -321,13 +339,14 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             hidden[row, start:start + length] = hidden_rows[number, :length]
         return hidden
 
-    def context_parallel_share(self, input_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        """This CP rank's share of the rows (`layout`: Megatron's layout): its tokens of each sequence as a right-
-        padded row of one forward, whose keys are the whole sequences gathered over the group (SequenceShares);
-        their hidden states put back in this rank's order (zeros at tokens of no sequence) [B, s, hidden]."""
-        shares = SequenceShares(layout)
-        hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares)
-        return shares.put_back(hidden_rows)
+    def context_parallel_share(self, input_ids: torch.Tensor, shares: SequenceShares,
+                               entering: tuple | None = None):
+        """This CP rank's share of the rows (Megatron's layout): its tokens of each sequence as a right-padded row
+        of one forward, whose keys are the whole sequences gathered over the group (`shares`); their hidden states
+        put back in this rank's order (zeros at tokens of no sequence) [B, s, hidden]; before the last pipeline
+        stage the rows' (streams, pre, state). `entering`: what the previous stage sent."""
+        hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares, entering=entering)
+        return shares.put_back(hidden_rows) if self.post_process else hidden_rows
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
                  shares: SequenceShares | None = None, entering: tuple | None = None):
@@ -428,13 +447,6 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                            dim=-1)
         confidence = torch.nn.functional.linear(joined.float(), heads.confidence_head.weight.float()).squeeze(-1)
         return DraftOutput(logits, confidence, torch.stack(chosen, dim=-1))
-
-
-def row_lengths(layout: TokenLayout) -> list[int]:
-    """The tokens of each row the layers run: the batch's rows, or each sequence of a packed or padded batch."""
-    if layout.plain:
-        return [layout.shape[1]] * layout.shape[0]
-    return [length for *_, length in layout.sequences]
 
 
 def stage_layers(config) -> range:

@@ -6,25 +6,36 @@ site's `pre` (the next attention site collapses its input with it), the CSA2 sta
 (`CompressedState`: the last KV source's rotated latents and indexer keys, the last index source's top-k, the
 candidate source's blocks) and the token ids (later Engram layers hash their n-grams; a later stage may be given
 none). The layers run on rows: the micro-batch's rows, or each packed or padded sequence as a row of its own
-(`each_sequence`); every row's state travels for its real tokens only. For a micro-batch of B rows of T tokens, N
-streams of H, and a row of n tokens with c = n // r latents of the last KV source before the stage (r its ratio):
+(`each_sequence`), or under context parallelism this rank's tokens of each sequence (`SequenceShares`). What this
+rank holds of each row is a `RowShapes`: its tokens (streams and pre), its queries (the rows of the masks) and the
+whole row's length (the latents). Every row's state travels for its real tokens only. For a micro-batch of B rows of
+T tokens here, N streams of H, and a row with n tokens here, q queries and c = length // r latents of the last KV
+source before the stage (r its ratio):
 
     once         3            T as three base-256 digits
-                 B T 3        the token ids, three base-256 digits each
+                 B T 3        the token ids here, three base-256 digits each
     per row      n N H        the residual streams                        gradient sent back
                  n N P        pre (fp32) as P parts in the pipeline dtype gradient sent back
                  c D          rotated latents (head_dim D)                gradient sent back (to the compressor)
                  c Dk         indexer keys (frozen indexers)              no gradient
-                 n c          the top-k each query attends, 0 / 1
-                 n c          the candidate blocks, 0 / 1, when the candidate source is before the stage
+                 q c          the top-k each query attends, 0 / 1
+                 q c          the candidate blocks, 0 / 1, when the candidate source is before the stage
 
-flat, in the rows' order (the receiver knows the rows from the batch's layout), zero-padded and sent as [L, B, H]
-with L = `boundary_length(T)`: the numbers of a row of T tokens, plus 3 per token of slack, over H, where c takes the
-smallest KV-source ratio, so that one L serves every stage and layout (a row's numbers grow faster than its length,
-so a row's sequences never need more than the whole row would). Integers and 0 / 1 are exact in any floating dtype
-(a base-256 digit is exact in bf16, whose significand has 8 bits). An fp32 `pre` is one part in an fp32 pipeline;
-under a 16-bit pipeline dtype three parts whose fp32 sum is the value (`split_fp32`). Which pieces travel is a
-function of the configuration and the stage's first layer (`Boundary`).
+Without context or sequence parallelism n = q = the row's length. Under context parallelism n = q = the rank's
+tokens of the sequence (its length / CP in Megatron's layout), while the latents are the whole sequence's (every
+rank pools them all). Under sequence parallelism n is the row's real tokens in this TP rank's slice of S / tp, while
+attention and so the state run on the whole row: q = the length, and the state is the same on every TP rank.
+
+Flat, in the rows' order (the receiver knows the rows from the batch's layout), zero-padded and sent as [L, B, H]
+with L = `boundary_length(args, S, dtype, cp)` for rows of S tokens: the numbers of a row of S / cp tokens, plus 3
+per token of slack, over H, where c takes the smallest KV-source ratio and the whole length S, so that one L serves
+every stage and layout (a row's numbers grow faster than its length, so a row's sequences never need more than the
+whole row would). Under sequence parallelism the schedules give each TP rank L / tp, but a rank's real tokens of a
+micro-batch's sequences can reach S (the sequences are padded to the longest and each split in tp), so the provider
+asks for tp x L (`pipeline_seq_length`): every TP rank sends what the whole row would. Integers and 0 / 1 are exact
+in any floating dtype (a base-256 digit is exact in bf16, whose significand has 8 bits). An fp32 `pre` is one part
+in an fp32 pipeline; under a 16-bit pipeline dtype three parts whose fp32 sum is the value (`split_fp32`). Which
+pieces travel is a function of the configuration and the stage's first layer (`Boundary`).
 """
 
 from __future__ import annotations
@@ -68,6 +79,33 @@ def number(digits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowShapes:
+    """What this rank holds of each row the layers run: `tokens`, its tokens (streams and pre: a prefix of the row's
+    `padded_tokens` slots); `queries`, the rows of its masks (of `padded_queries`); `lengths`, the whole rows'
+    lengths (the latents: of `padded_length` tokens)."""
+
+    tokens: list[int]
+    queries: list[int]
+    lengths: list[int]
+    padded_tokens: int
+    padded_queries: int
+    padded_length: int
+
+    @classmethod
+    def whole_rows(cls, lengths: list[int]) -> RowShapes:
+        """Rows run whole (no context or sequence parallelism), padded to the longest."""
+        return cls(lengths, lengths, lengths, max(lengths), max(lengths), max(lengths))
+
+    @classmethod
+    def sequence_parallel(cls, lengths: list[int], padded_length: int, tp: int, rank: int) -> RowShapes:
+        """Rows padded to `padded_length` (a multiple of tp), TP rank `rank` holding tokens [rank * P / tp,
+        (rank + 1) * P / tp) of each: its real tokens are a prefix of that slice; attention runs on whole rows."""
+        share = padded_length // tp
+        tokens = [min(max(length - rank * share, 0), share) for length in lengths]
+        return cls(tokens, lengths, lengths, share, padded_length, padded_length)
+
+
+@dataclasses.dataclass(frozen=True)
 class Boundary:
     """What enters the stage whose first layer is `first_layer`: the ratio of the last KV source before it (0: none,
     no latents travel), whether an index source has selected among its latents since, whether the candidate
@@ -97,45 +135,54 @@ class Boundary:
         return tuple(name for name, present in (("selected", self.selected), ("candidates", self.candidates))
                      if present)
 
-    def row_sizes(self, args: DeepseekV41Args, length: int, dtype: torch.dtype, padded_to: int) -> list[int]:
-        """The numbers of each piece of a row of `length` tokens among rows padded to `padded_to`."""
+    def row_sizes(self, args: DeepseekV41Args, tokens: int, queries: int, length: int, dtype: torch.dtype,
+                  padded_length: int) -> list[int]:
+        """The numbers of each piece of a row with `tokens` tokens and `queries` queries here, of `length` tokens
+        in all, among rows padded to `padded_length`."""
         latents = self.latents(length)
-        sizes = [length * args.hc_mult * args.hidden_size, *[length * args.hc_mult] * pre_parts(dtype)]
+        sizes = [tokens * args.hc_mult * args.hidden_size, *[tokens * args.hc_mult] * pre_parts(dtype)]
         if self.ratio:
             sizes += [latents * args.head_dim, latents * args.index_head_dim]
-            sizes += [length * latents] * len(self.masks(padded_to))
+            sizes += [queries * latents] * len(self.masks(padded_length))
         return sizes
 
 
-def boundary_length(args: DeepseekV41Args, seq_length: int, dtype: torch.dtype) -> int:
-    """L of the [L, B, H] tensor sent between stages for micro-batches of rows of `seq_length` tokens."""
+def boundary_length(args: DeepseekV41Args, seq_length: int, dtype: torch.dtype, context_parallel: int = 1) -> int:
+    """L of the [L, B, H] tensor a rank sends between stages for micro-batches of rows of `seq_length` tokens, each
+    CP rank holding seq_length / `context_parallel` of them."""
     ratios = [args.text.compress_ratios[layer] for layer in args.text.kv_source_layer_ids]
     widest = Boundary(min(ratios) if ratios else 0, True, args.text.candidate_source_layer_id >= 0)
-    numbers = ID_DIGITS * (1 + 2 * seq_length) + sum(widest.row_sizes(args, seq_length, dtype, seq_length))
+    here = seq_length // context_parallel
+    numbers = ID_DIGITS * (1 + 2 * here) + sum(widest.row_sizes(args, here, here, seq_length, dtype, seq_length))
     return -(-numbers // args.hidden_size)
 
 
 def pack(args: DeepseekV41Args, boundary: Boundary, streams: torch.Tensor, pre: torch.Tensor,
-         state: CompressedState, lengths: list[int], input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows' streams [R, n, N, H], pre [R, n, N] fp32 and state, each row's length, the micro-batch's input_ids
-    [B, T] -> the [L, B, H] tensor of `dtype` sent to the next stage; its pieces keep their autograd edges."""
+         state: CompressedState, shapes: RowShapes, input_ids: torch.Tensor, dtype: torch.dtype,
+         boundary_rows: int) -> torch.Tensor:
+    """Rows' streams [R, n, N, H], pre [R, n, N] fp32 and state, what this rank holds of each row, the micro-batch's
+    input_ids [B, T] here -> the [`boundary_rows`, B, H] tensor of `dtype` sent to the next stage; its pieces keep
+    their autograd edges."""
     batch, seq_length = input_ids.shape
-    padded_to = streams.shape[1]
-    if state.ratio != boundary.ratio or (boundary.ratio and state.kv.shape[1] != boundary.latents(padded_to)):
+    if state.ratio != boundary.ratio or (boundary.ratio and
+                                         state.kv.shape[1] != boundary.latents(shapes.padded_length)):
         raise AssertionError(f"the state before the next stage has ratio {state.ratio}, its boundary says "
                              f"{boundary.ratio}")
     pieces = [digits(input_ids.new_tensor([seq_length]), dtype), digits(input_ids, dtype)]
     pre_pieces = split_fp32(pre, dtype)
-    for row, length in enumerate(lengths):
+    masks = boundary.masks(shapes.padded_length)
+    for row, (tokens, queries, length) in enumerate(zip(shapes.tokens, shapes.queries, shapes.lengths)):
         latents = boundary.latents(length)
-        pieces += [streams[row, :length].to(dtype), *[part[row, :length] for part in pre_pieces]]
+        pieces += [streams[row, :tokens].to(dtype), *[part[row, :tokens] for part in pre_pieces]]
         if boundary.ratio:
             pieces += [state.kv[row, :latents].to(dtype), state.index_keys[row, :latents].to(dtype)]
-            pieces += [getattr(state, name)[row, :length, :latents].to(dtype) for name in boundary.masks(padded_to)]
+            pieces += [getattr(state, name)[row, :queries, :latents].to(dtype) for name in masks]
     flat = torch.cat([piece.reshape(-1) for piece in pieces])
-    rows = boundary_length(args, seq_length, dtype)
-    flat = torch.nn.functional.pad(flat, (0, batch * rows * args.hidden_size - flat.numel()))
-    return flat.view(batch, rows, args.hidden_size).transpose(0, 1).contiguous()
+    if flat.numel() > batch * boundary_rows * args.hidden_size:
+        raise AssertionError(f"{flat.numel()} numbers between pipeline stages, the tensor holds "
+                             f"{batch * boundary_rows * args.hidden_size}")
+    flat = torch.nn.functional.pad(flat, (0, batch * boundary_rows * args.hidden_size - flat.numel()))
+    return flat.view(batch, boundary_rows, args.hidden_size).transpose(0, 1).contiguous()
 
 
 def received_ids(received: torch.Tensor) -> torch.Tensor:
@@ -145,37 +192,37 @@ def received_ids(received: torch.Tensor) -> torch.Tensor:
     return number(flat[ID_DIGITS:ID_DIGITS * (1 + received.shape[1] * seq_length)].view(-1, seq_length, ID_DIGITS))
 
 
-def unpack(args: DeepseekV41Args, boundary: Boundary, received: torch.Tensor, lengths: list[int], dtype: torch.dtype,
+def unpack(args: DeepseekV41Args, boundary: Boundary, received: torch.Tensor, shapes: RowShapes, dtype: torch.dtype,
            compute_dtype: torch.dtype):
-    """`pack`'s tensor -> the rows' (streams [R, n, N, H] in `compute_dtype`, pre [R, n, N] fp32, state), n the
-    longest row, padded with zeros (0 / False); each piece a view of `received`, so gradients flow back into it."""
+    """`pack`'s tensor -> the rows' (streams [R, n, N, H] in `compute_dtype`, pre [R, n, N] fp32, state), padded as
+    `shapes` says with zeros (0 / False); each piece a view of `received`, so gradients flow back into it."""
     batch = received.shape[1]
     flat = received.transpose(0, 1).reshape(-1)
     seq_length = int(number(flat[:ID_DIGITS].detach()))
-    padded_to, parts = max(lengths), pre_parts(dtype)
+    parts = pre_parts(dtype)
     sizes = [ID_DIGITS * (1 + batch * seq_length)]
-    for length in lengths:
-        sizes += boundary.row_sizes(args, length, dtype, padded_to)
+    for tokens, queries, length in zip(shapes.tokens, shapes.queries, shapes.lengths):
+        sizes += boundary.row_sizes(args, tokens, queries, length, dtype, shapes.padded_length)
     pieces = list(flat[:sum(sizes)].split(sizes))[1:]
-    per_row = len(sizes[1:]) // len(lengths)
+    per_row = len(sizes[1:]) // len(shapes.lengths)
     rows = [pieces[start:start + per_row] for start in range(0, len(pieces), per_row)]
 
-    def padded(index: int, shape) -> torch.Tensor:
-        """Piece `index` of every row, viewed as [its length, *shape], padded to [R, longest, *shape]."""
-        return pad_sequence([row[index].view(-1, *shape) for row in rows], batch_first=True)
+    def padded(index: int, shape, size: int) -> torch.Tensor:
+        """Piece `index` of every row, viewed as [its length, *shape], padded to [R, size, *shape]."""
+        return _pad_to(pad_sequence([row[index].view(-1, *shape) for row in rows], batch_first=True), size, dim=1)
 
-    streams = padded(0, (args.hc_mult, args.hidden_size)).to(compute_dtype)
-    pre = sum(padded(1 + part, (args.hc_mult,)).float() for part in range(parts))
+    streams = padded(0, (args.hc_mult, args.hidden_size), shapes.padded_tokens).to(compute_dtype)
+    pre = sum(padded(1 + part, (args.hc_mult,), shapes.padded_tokens).float() for part in range(parts))
     state = CompressedState()
     if boundary.ratio:
-        latents, first = boundary.latents(padded_to), 1 + parts
+        latents, first = boundary.latents(shapes.padded_length), 1 + parts
         state.ratio = boundary.ratio
-        state.kv = _pad_to(padded(first, (args.head_dim,)), latents, dim=1).to(compute_dtype)
-        state.index_keys = _pad_to(padded(first + 1, (args.index_head_dim,)), latents, dim=1).to(compute_dtype)
-        for offset, name in enumerate(boundary.masks(padded_to)):
-            masks = [row[first + 2 + offset].view(length, boundary.latents(length))
-                     for row, length in zip(rows, lengths)]
-            masks = [_pad_to(_pad_to(mask, latents, dim=1), padded_to, dim=0) for mask in masks]
+        state.kv = padded(first, (args.head_dim,), latents).to(compute_dtype)
+        state.index_keys = padded(first + 1, (args.index_head_dim,), latents).to(compute_dtype)
+        for offset, name in enumerate(boundary.masks(shapes.padded_length)):
+            masks = [row[first + 2 + offset].view(queries, boundary.latents(length))
+                     for row, queries, length in zip(rows, shapes.queries, shapes.lengths)]
+            masks = [_pad_to(_pad_to(mask, latents, dim=1), shapes.padded_queries, dim=0) for mask in masks]
             setattr(state, name, torch.stack(masks) != 0)
     return streams, pre, state
 
