@@ -46,10 +46,11 @@ def write_llama_variant(folder: Path, make_tiny, **changes) -> Path:
 
 def tiny_with_vocab(architecture: str, folder: Path, vocab_size: int) -> Path:
     """A tiny checkpoint whose vocabulary is `vocab_size` (not a multiple of 128: Megatron pads it), written by the
-    shipped generator; DeepSeek-V4's tiny one has 250 tokens already."""
-    if architecture == "deepseek_v4":
-        assert vocab_size == 250, "deepseek-v4-tiny has 250 tokens"
-        return TINY / "deepseek-v4-tiny"
+    shipped generator; DeepSeek-V4's and V4.1's tiny ones have 250 tokens already."""
+    shipped = {"deepseek_v4": "deepseek-v4-tiny", "deepseek_v41": "deepseek-v41-tiny"}
+    if architecture in shipped:
+        assert vocab_size == 250, f"{shipped[architecture]} has 250 tokens"
+        return TINY / shipped[architecture]
     make_tiny = make_tiny_module
     base, shapes = {"llama": (make_tiny.LLAMA_TINY, make_tiny.llama_shapes),
                     "loopcoder": (make_tiny.LOOPCODER_TINY, make_tiny.loopcoder_shapes)}[architecture]

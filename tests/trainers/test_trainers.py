@@ -2,12 +2,13 @@
 batch, responses, log-probs, MTP training and routing replay (tests/trainers/trainer_paths.py says what is run and what
 is restated), at TP 1 (two data-parallel ranks), TP 2 and CP 2 on two gloo ranks.
 
-Samples of 1, 7, 13 and 30 tokens (30 is past DeepSeek-V4 tiny's window of 8 and its compress rates 4 and 8) over a
-vocabulary of 250 tokens, which Megatron pads to 256: the padded logit columns are in every trainer's log-softmax.
+Samples of 1, 7, 13 and 30 tokens (30 is past DeepSeek-V4 tiny's window of 8 and its compress rates 4 and 8, and
+DeepSeek-V4.1 tiny's window of 8, index top-k of 8 and candidate budget) over a vocabulary of 250 tokens, which Megatron pads to 256: the padded logit columns are in every trainer's log-softmax.
 slime scores responses after a prompt of at least one token, so its batch has a sample of 2 tokens where SkyRL's has
 the 1-token one (its `get_responses` reads the logit before a response's first token).
 
-- (a) log-probs through each trainer's path equal transformers' (our reference for LoopCoder) per sample, run alone
+- (a) log-probs through each trainer's path equal transformers' (our reference for LoopCoder and DeepSeek-V4.1) per
+  sample, run alone
   as the trainer's layout holds it: followed by the zeros it pads the sample with inside its cu_seqlens entry (SkyRL's
   packing, slime under CP). 1e-5, fp32 (measured up to ~4e-6: the same fp32 math in another order; the padded
   vocabulary columns, at 0 instead of masked, put them 0.019 off). Causal attention hides the padding from the real
@@ -19,8 +20,8 @@ the 1-token one (its `get_responses` reads the logit before a response's first t
 - (c) the HF checkpoint written from the trained model gives the trained model's log-probs: 1e-5;
 - (d) slime's MTP call (`mtp_kwargs`, labels None) trains every MTP parameter of DeepSeek-V4 and no other: the rest
   of the gradient is bit-identical to the call without it;
-- (e) SkyRL's and slime's routing replay: the recorded expert ids replayed give the recording run's log-probs, shifted
-  ids change them by more than 1e-3.
+- (e) SkyRL's and slime's routing replay (DeepSeek-V4 and V4.1): the recorded expert ids replayed give the recording
+  run's log-probs, shifted ids change them by more than 1e-3.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import trainer_paths as paths  # noqa: E402
 
 from modelzoo import build_provider, runtime  # noqa: E402
 
-ARCHITECTURES = ("llama", "loopcoder", "deepseek_v4")
+ARCHITECTURES = ("llama", "loopcoder", "deepseek_v4", "deepseek_v41")
+MOE_ARCHITECTURES = ("deepseek_v4", "deepseek_v41")
 LAYOUTS = {"tp1": dict(tp=1), "tp2": dict(tp=2), "cp2": dict(cp=2)}
 VOCAB = 250
 SKYRL_SAMPLES, SKYRL_PROMPTS = [1, 7, 13, 30], [1, 3, 5, 10]
@@ -231,8 +233,8 @@ def _mtp_case(hf_dir: str) -> dict:
 
 
 def _replay_case(hf_dir: str) -> dict:
-    """(e): SkyRL's and slime's routing replay on DeepSeek-V4. With TP, sequence parallelism on, as SkyRL and miles
-    run MoE models (SkyRL hands each TP rank the ids of its s / tp tokens)."""
+    """(e): SkyRL's and slime's routing replay on DeepSeek-V4 or V4.1. With TP, sequence parallelism on, as SkyRL
+    and miles run MoE models (SkyRL hands each TP rank the ids of its s / tp tokens)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
@@ -304,7 +306,8 @@ def _all_cases(rank: int, layout: str, checkpoints: dict, scratch: str) -> dict:
             results[architecture] = dict(logprobs=_logprob_case(hf_dir, layout),
                                          training=_training_case(hf_dir, f"{scratch}/{layout}-{architecture}"))
         results["mtp"] = _mtp_case(checkpoints["deepseek_v4"])
-        results["replay"] = _replay_case(checkpoints["deepseek_v4"])
+        for architecture in MOE_ARCHITECTURES:
+            results["replay", architecture] = _replay_case(checkpoints[architecture])
     return results
 
 
@@ -393,10 +396,11 @@ def test_slime_mtp_call_trains_every_mtp_parameter_and_nothing_else(ranks):
 
 
 @pytest.mark.slow
-def test_routing_replay_through_skyrl_and_slime(ranks):
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_routing_replay_through_skyrl_and_slime(ranks, architecture):
     _, results = ranks
     for result in results:
-        replay = result["replay"]
+        replay = result["replay", architecture]
         batch = paths.skyrl_batch(samples(SKYRL_SAMPLES, 5), SKYRL_PROMPTS)
         columns = skyrl_real_columns(batch)
         assert torch.equal(replay["skyrl_replayed"][columns], replay["skyrl_recorded"][columns])

@@ -22,6 +22,8 @@ host synchronisation (one per layer under expert parallelism, to size the groups
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,6 +42,23 @@ SCORE_FUNCTIONS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class MegatronOrder:
+    """Where each token a router sees (its flat [N] order) sits in Megatron's token order, the order of the expert
+    ids a RouterReplay records and replays: `places` [N] long (-1: a slot holding no token of the micro-batch, such
+    as a row's padding when a model runs packed sequences as rows of their own), `tokens`: the micro-batch's tokens
+    in Megatron's order (this CP rank's; the whole sequence's under sequence parallelism)."""
+
+    places: torch.Tensor
+    tokens: int
+
+    @classmethod
+    def batch_first(cls, batch: int, seq: int, device) -> MegatronOrder:
+        """Rows [B, S] as the router sees them: Megatron's order is sequence-major ([s, b])."""
+        places = torch.arange(seq, device=device) * batch + torch.arange(batch, device=device)[:, None]
+        return cls(places.flatten(), batch * seq)
+
+
 class Router(Decider):
     """Learned top-k router with a correction bias, or hash router reading `tid2eid[input_ids]`.
 
@@ -48,7 +67,8 @@ class Router(Decider):
     records or replays the expert ids of every token, as SkyRL and miles drive it for Megatron's own MoE:
     `RouterReplay.set_replay_data([ids of layer 0 [tokens, k], ...])` with the ids an inference engine chose,
     then `RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)`. Tokens are in
-    Megatron's order (sequence-major for [s, b]; a packed row's tokens as they are). Hash layers replay too.
+    Megatron's order (sequence-major for [s, b]; a packed row's tokens as they are; `MegatronOrder` places the
+    router's tokens in it where a model lays them out otherwise). Hash layers replay too.
     Under context parallelism a router sees its rank's tokens, as Megatron's own router does: each rank is handed
     its share of the ids, cut like its input ids (`context_parallel.split_for_rank`). Under sequence parallelism
     (`sequence_parallel`) the router runs on the whole sequence, but its RouterReplay records and replays this TP
@@ -82,17 +102,19 @@ class Router(Decider):
             self.router_replay.layer_number = layer_number
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None,
-                padding: torch.Tensor | None = None):
+                padding: torch.Tensor | None = None, order: MegatronOrder | None = None):
         """-> (logits [N, E], weights [N, k], expert ids [N, k]) for the N = B*S tokens.
 
-        `padding` [B, S] bool marks tokens of no sequence: routed to no expert (id -1, weight 0)."""
+        `padding` [B, S] bool marks tokens of no sequence: routed to no expert (id -1, weight 0). `order`: where
+        the tokens sit in Megatron's order, for routing replay (default: the rows [B, S] are the micro-batch's)."""
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits = F.linear(flat, self.weight)
         scores = self.score_fn(logits)
         if self.router_replay is None:
             indices = self.choose(scores, input_ids)
         else:
-            indices = self.replayable_choice(scores, input_ids, hidden_states.shape[:2])
+            order = order or MegatronOrder.batch_first(*hidden_states.shape[:2], hidden_states.device)
+            indices = self.replayable_choice(scores, input_ids, order)
         if padding is not None:
             indices = indices.masked_fill(padding.reshape(-1, 1), -1)
         indices = self.decide(indices)
@@ -110,35 +132,40 @@ class Router(Decider):
             return self.tid2eid[input_ids.reshape(-1)].long()
         return torch.topk(scores + self.expert_bias, self.top_k, dim=-1, sorted=False).indices
 
-    def replayable_choice(self, scores: torch.Tensor, input_ids: torch.Tensor | None, batch_shape) -> torch.Tensor:
-        """`choose` through Megatron's RouterReplay, whose tokens are sequence-major ([s, b]) where ours are [b, s]."""
-        batch, seq = batch_shape
-        tokens, rows = batch * seq, slice(None)
+    def replayable_choice(self, scores: torch.Tensor, input_ids: torch.Tensor | None,
+                          order: MegatronOrder) -> torch.Tensor:
+        """`choose` through Megatron's RouterReplay, in Megatron's token order (`order`). A token of Megatron's
+        order that no slot holds (padding between packed sequences) has scores 0 and, when recorded, experts 0 to
+        k - 1; a slot that holds no token gets token 0's ids, which its padding mask then drops."""
+        ours = self.choose(scores, input_ids)
+        held = order.places >= 0
+        places = order.places[held]
+        megatron_scores = scores.new_zeros(order.tokens, scores.shape[1]).index_copy(0, places, scores[held])
+        megatron_ids = torch.arange(self.top_k, device=ours.device).repeat(order.tokens, 1).index_copy(
+            0, places, ours[held])
+        tokens, rows = order.tokens, slice(None)
         if self.sequence_parallel:  # this TP rank's tokens: Megatron's sequence dim is the leading one
             group = parallel_state.get_tensor_model_parallel_group()
             share = tokens // dist.get_world_size(group)
             rows = slice(dist.get_rank(group) * share, (dist.get_rank(group) + 1) * share)
             tokens = share
 
-        def megatron_order(ids):
-            return ids.view(batch, seq, -1).transpose(0, 1).reshape(batch * seq, -1)
-
         def choose_in_megatron_order(megatron_scores, top_k, num_groups=None, group_topk=None):
-            return None, megatron_order(self.choose(scores, input_ids))[rows]
+            return None, megatron_ids[rows]
 
         # positional, as Megatron's TopKRouter calls it: trainers (slime, miles) replace get_replay_topk with
         # functions of their own whose last parameter has another name
-        _, indices = self.router_replay.get_replay_topk(megatron_order(scores)[rows], self.top_k, None, None,
+        _, indices = self.router_replay.get_replay_topk(megatron_scores[rows], self.top_k, None, None,
                                                         choose_in_megatron_order)
         if indices.shape != (tokens, self.top_k):
             raise ValueError(f"routing replay: {tuple(indices.shape)} expert ids for a layer of {tokens} tokens "
                              f"and top-{self.top_k} routing (want [{tokens}, {self.top_k}])")
         indices = indices.long()
         if self.sequence_parallel:
-            every = indices.new_empty((batch * seq, self.top_k))
+            every = indices.new_empty((order.tokens, self.top_k))
             dist.all_gather_into_tensor(every, indices.contiguous(), group=group)
             indices = every
-        return indices.view(seq, batch, -1).transpose(0, 1).reshape(batch * seq, -1)
+        return indices[order.places.clamp(min=0)]
 
 
 # --- token exchange between ranks -------------------------------------------------------------------

@@ -52,6 +52,7 @@ from modelzoo.layers import gpt_call, sequence_parallel
 from modelzoo.deepseek_v4.model.hyper_connection import HyperConnection, collapse, hc_residual, plain_collapse
 from modelzoo.deepseek_v4.model.layers import ReplicatedLinear, RMSNorm, per_token
 from modelzoo.deepseek_v4.model.model import SELECTIVE_RECOMPUTE, DeepseekV4DecoderLayer, DeepseekV4Model
+from modelzoo.deepseek_v4.model.moe import MegatronOrder
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.mapping import carried_name
 from modelzoo.deepseek_v41.hf_model import CompressedState, DeepseekV41NgramHasher
@@ -118,16 +119,17 @@ class DeepseekV41Layer(nn.Module):
         return ffn_pre, post, comb, self.pre_mlp_layernorm(collapsed), streams
 
     def forward(self, streams: torch.Tensor, previous_pre: torch.Tensor, attention,
-                padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                padding: torch.Tensor | None = None, order: MegatronOrder | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [B, S, N, hidden], previous_pre [B, S, N] (under sequence parallelism this rank's S / tp
         tokens); `attention(x)` runs this layer's attention on the collapsed, normalised input of the whole
-        sequence; padding [B, S] (the whole sequence): tokens routed to no expert. Returns the new streams and the
-        FFN site's pre."""
+        sequence; padding [B, S] (the whole sequence): tokens routed to no expert; `order`: the tokens' places in
+        the micro-batch (routing replay). Returns the new streams and the FFN site's pre."""
         attn_pre, post, comb, normed, streams = recomputed(self._attention_input, self.recompute_norms)(
             streams, previous_pre)
         streams = hc_residual(post, comb, self.on_whole_sequence(attention, normed), streams)
         ffn_pre, post, comb, normed, streams = recomputed(self._mlp_input, self.recompute_norms)(streams, attn_pre)
-        mlp_output = self.on_whole_sequence(recomputed(self.mlp, self.recompute_mlp), normed, None, padding)
+        mlp_output = self.on_whole_sequence(recomputed(self.mlp, self.recompute_mlp), normed, None, padding, order)
         return hc_residual(post, comb, mlp_output, streams), ffn_pre
 
     on_whole_sequence = DeepseekV4DecoderLayer.on_whole_sequence
@@ -330,8 +332,14 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         if self.sequence_parallel:  # the TP ranks split each row evenly
             rows = torch.nn.functional.pad(rows, (0, -rows.shape[1] % self.config.tensor_model_parallel_size))
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
-        padding = torch.arange(rows.shape[1], device=rows.device) >= lengths[:, None]
-        hidden_rows, _ = self.backbone(rows, padding, entering=entering)
+        slots = torch.arange(rows.shape[1], device=rows.device)
+        padding = slots >= lengths[:, None]
+        # the slots' tokens in the micro-batch, in Megatron's sequence-major order (-1: padding)
+        starts = torch.tensor([start for _, start, _ in sequences], device=input_ids.device)
+        in_batch = torch.tensor([row for row, *_ in sequences], device=input_ids.device)
+        places = ((starts[:, None] + slots) * input_ids.shape[0] + in_batch[:, None]).masked_fill(padding, -1)
+        order = MegatronOrder(places.flatten(), input_ids.numel())
+        hidden_rows, _ = self.backbone(rows, padding, entering=entering, order=order)
         if not self.post_process:
             return hidden_rows
         hidden = hidden_rows.new_zeros(*input_ids.shape, hidden_rows.shape[-1])
@@ -345,17 +353,23 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         of one forward, whose keys are the whole sequences gathered over the group (`shares`); their hidden states
         put back in this rank's order (zeros at tokens of no sequence) [B, s, hidden]; before the last pipeline
         stage the rows' (streams, pre, state). `entering`: what the previous stage sent."""
-        hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares, entering=entering)
+        local_len = shares.local_shape[1]
+        places = shares.query_index % local_len * input_ids.shape[0] + shares.query_index // local_len
+        order = MegatronOrder(places.masked_fill(shares.padding, -1).flatten(), input_ids.numel())
+        hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares, entering=entering,
+                                       order=order)
         return shares.put_back(hidden_rows) if self.post_process else hidden_rows
 
     def backbone(self, input_ids: torch.Tensor, padding: torch.Tensor | None = None, keep_targets: bool = False,
-                 shares: SequenceShares | None = None, entering: tuple | None = None):
+                 shares: SequenceShares | None = None, entering: tuple | None = None,
+                 order: MegatronOrder | None = None):
         """The final hidden states [B, S, hidden] of plain rows (of the whole sequence, under sequence parallelism
         too) and, with `keep_targets`, the stream means of the DSpark target layers' attention inputs
         [B, S, targets * hidden] (else None). `padding` [B, S] bool: tokens routed to no expert. `shares`: the rows
         are this CP rank's tokens of each sequence (context_parallel_share). `entering`: the rows' (streams, pre,
         state) from the previous pipeline stage (`received`); on a stage before the last the first output is what
-        this stage's layers leave, (streams, pre, state)."""
+        this stage's layers leave, (streams, pre, state). `order`: where the rows' tokens sit in the micro-batch
+        (routing replay; default: the rows are the micro-batch)."""
         if padding is not None and (padding.shape != input_ids.shape or padding.dtype != torch.bool):
             raise ValueError(f"deepseek_v41: padding_mask must be a boolean [batch, seq] = {list(input_ids.shape)} "
                              f"tensor (True = padding), got {padding.dtype} {list(padding.shape)}")
@@ -363,7 +377,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         hash_ids = self.engram_hashes(input_ids, shares) if self.engram_hasher is not None else None
         compressed, targets = state_values(state), []
         for layers, recompute in self.decoder.recompute_groups:
-            run = functools.partial(self.run_layers, layers, hash_ids, padding, keep_targets, shares)
+            run = functools.partial(self.run_layers, layers, hash_ids, padding, order, keep_targets, shares)
             streams, pre, group_targets, *compressed = recomputed(run, recompute)(streams, pre, *compressed)
             targets += group_targets
         if not self.post_process:
@@ -376,8 +390,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         return hidden, targets
 
     def run_layers(self, layers: range, hash_ids: torch.Tensor | None, padding: torch.Tensor | None,
-                   keep_targets: bool, shares: SequenceShares | None, streams: torch.Tensor, pre: torch.Tensor,
-                   *state) -> tuple:
+                   order: MegatronOrder | None, keep_targets: bool, shares: SequenceShares | None,
+                   streams: torch.Tensor, pre: torch.Tensor, *state) -> tuple:
         """Decoder layers `layers` in turn, from explicit inputs (`state`: the CompressedState's values before them)
         -> (streams, pre, [DSpark targets], *the state's values after them): a checkpointed run's recompute
         re-reads what its forward read."""
@@ -391,7 +405,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             if keep_targets and layer.layer_idx in text.dspark_target_layer_ids:
                 targets.append(streams.float().mean(dim=2).to(streams.dtype))
             streams, pre = layer(streams, pre, lambda x, attention=layer.self_attention: attention(x, state, shares),
-                                 padding)
+                                 padding, order)
         return streams, pre, targets, *state_values(state)
 
     def boundary_after(self) -> pipeline.Boundary:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelzoo.deepseek_v4.model.moe import SCORE_FUNCTIONS, RoutedExperts, Router, SharedExpert
+from modelzoo.deepseek_v4.model.moe import SCORE_FUNCTIONS, MegatronOrder, RoutedExperts, Router, SharedExpert
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 
 
@@ -37,9 +37,9 @@ class DeepseekV41Router(Router):
         self.register_buffer("expert_bias_vl", torch.zeros(args.num_experts, dtype=torch.float32))
 
     def forward(self, hidden_states: torch.Tensor, image_mask: torch.Tensor | None = None,
-                padding: torch.Tensor | None = None):
+                padding: torch.Tensor | None = None, order: MegatronOrder | None = None):
         # V4's router hands its second argument (hash routing's token ids there) to `choose`: here the image mask
-        return super().forward(hidden_states, image_mask, padding)
+        return super().forward(hidden_states, image_mask, padding, order)
 
     def choose(self, scores: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
         bias = self.expert_bias
@@ -56,8 +56,9 @@ class DeepseekV41MoE(nn.Module):
         self.shared_experts = SharedExpert(config, args)
 
     def forward(self, hidden_states: torch.Tensor, image_mask: torch.Tensor | None = None,
-                padding: torch.Tensor | None = None) -> torch.Tensor:
+                padding: torch.Tensor | None = None, order: MegatronOrder | None = None) -> torch.Tensor:
+        """`order`: where the rows' tokens sit in the micro-batch, in Megatron's order (routing replay)."""
         batch, seq_len, hidden = hidden_states.shape
-        _, weights, indices = self.router(hidden_states, image_mask, padding)
+        _, weights, indices = self.router(hidden_states, image_mask, padding, order)
         routed = self.experts(hidden_states.view(-1, hidden), indices, weights).view(batch, seq_len, hidden)
         return routed + self.shared_experts(hidden_states)
