@@ -1,4 +1,4 @@
-"""Megatron-Bridge integration: `AutoBridge` finds modelzoo's LoopCoder and DeepSeek-V4.
+"""Megatron-Bridge integration: `AutoBridge` finds modelzoo's LoopCoder, DeepSeek-V4 and DeepSeek-V4.1.
 
     import modelzoo.integrations.megatron_bridge            # registers the bridges (the only import needed)
     from megatron.bridge import AutoBridge
@@ -17,7 +17,8 @@ Megatron-Bridge's own weight machinery (`mapping_registry`, param mappings, conv
 
 Megatron-Bridge's own DeepSeek-V4 bridge builds Megatron-Core modules that Megatron-Core does not release yet
 (hyper-connections, compressed sparse attention, hash routing); where the installed Megatron-Core lacks them,
-ours is registered in its place and a warning says so. The core package never imports this module.
+ours is registered in its place and a warning says so. Megatron-Bridge has no DeepSeek-V4.1 bridge: ours is
+registered. The core package never imports this module.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from importlib.metadata import version
+from pathlib import Path
 
 import torch
 
@@ -48,6 +50,8 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 from modelzoo import build_provider, lora  # noqa: E402
 from modelzoo.deepseek_v4.provider import DeepseekV4Provider  # noqa: E402
 from modelzoo.deepseek_v4.model.model import DeepseekV4Model  # noqa: E402
+from modelzoo.deepseek_v41.model.model import DeepseekV41Model  # noqa: E402
+from modelzoo.deepseek_v41.provider import DeepseekV41Provider  # noqa: E402
 from modelzoo.loopcoder.model import LoopCoderModel  # noqa: E402
 from modelzoo.loopcoder.provider import LoopCoderProvider  # noqa: E402
 from modelzoo.provider import ModelProvider  # noqa: E402
@@ -90,8 +94,13 @@ class ModelzooModelProvider(TransformerConfig, ModelProviderMixin):
         return self.modelzoo_provider.provide(self)
 
 
-def _modelzoo_provider(hf_config) -> ModelProvider:
-    return build_provider(hf_config.to_dict())
+def _modelzoo_provider(hf_pretrained) -> ModelProvider:
+    """The checkpoint's provider, built from its folder where it is a local one (an architecture may read more than
+    the config there: DeepSeek-V4.1 its tokenizer), else from its config."""
+    folder = getattr(hf_pretrained, "model_name_or_path", None)
+    if folder is not None and Path(folder).is_dir():
+        return build_provider(folder)
+    return build_provider(hf_pretrained.config.to_dict())
 
 
 def _single_model(megatron_model) -> torch.nn.Module:
@@ -105,7 +114,7 @@ class ModelzooBridge(MegatronModelBridge):
     """A Megatron-Bridge bridge whose provider and weight movement are modelzoo's."""
 
     def provider_bridge(self, hf_pretrained) -> ModelzooModelProvider:
-        return ModelzooModelProvider.wrapping(_modelzoo_provider(hf_pretrained.config))
+        return ModelzooModelProvider.wrapping(_modelzoo_provider(hf_pretrained))
 
     def mapping_registry(self):
         raise NotImplementedError(
@@ -116,7 +125,7 @@ class ModelzooBridge(MegatronModelBridge):
         if allowed_mismatched_params:
             raise ValueError("modelzoo's engine loads every weight of the mapping or fails: "
                              "allowed_mismatched_params is not supported")
-        provider = _modelzoo_provider(hf_pretrained.config)
+        provider = _modelzoo_provider(hf_pretrained)
         provider.load_hf_weights(_single_model(megatron_model), hf_pretrained.model_name_or_path, progress=False)
         return megatron_model
 
@@ -127,7 +136,7 @@ class ModelzooBridge(MegatronModelBridge):
         if conversion_tasks is not None:
             raise ValueError("modelzoo bridges build no Megatron-Bridge conversion tasks: pass conversion_tasks=None")
         model = _single_model(megatron_model)
-        provider = _modelzoo_provider(hf_pretrained.config)
+        provider = _modelzoo_provider(hf_pretrained)
         if merge_adapter_weights and any(True for _ in lora.lora_layers(model)):
             tensors = lora.export_merged_hf_weights(model, provider)
         else:
@@ -141,7 +150,7 @@ class ModelzooBridge(MegatronModelBridge):
         if exclude_adapter_base_prefixes:
             raise ValueError("modelzoo bridges export every adapter: exclude_adapter_base_prefixes is not supported")
         model = _single_model(megatron_model)
-        for name, tensor in lora.adapter_hf_weights(model, _modelzoo_provider(self.hf_config)):
+        for name, tensor in lora.adapter_hf_weights(model, build_provider(self.hf_config.to_dict())):
             yield HFWeightTuple(name, _placed(tensor, cpu, None))
 
 
@@ -164,6 +173,10 @@ class DeepseekV4Bridge(ModelzooBridge):
     """DeepSeek-V4, registered only where Megatron-Bridge's own cannot run (see `register_deepseek_v4`)."""
 
 
+class DeepseekV41Bridge(ModelzooBridge):
+    """DeepSeek-V4.1's text model (Megatron-Bridge has none)."""
+
+
 def missing_deepseek_v4_core_fields() -> list[str]:
     """The fields of `DEEPSEEK_V4_CORE_FIELDS` that the installed Megatron-Core's TransformerConfig lacks."""
     fields = {field.name for field in dataclasses.fields(TransformerConfig)}
@@ -184,4 +197,5 @@ def register_deepseek_v4() -> bool:
 
 
 register(LoopCoderBridge, LoopCoderProvider, LoopCoderModel)
+register(DeepseekV41Bridge, DeepseekV41Provider, DeepseekV41Model)
 register_deepseek_v4()

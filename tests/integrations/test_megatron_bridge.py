@@ -1,4 +1,4 @@
-"""Megatron-Bridge's AutoBridge on modelzoo's LoopCoder and DeepSeek-V4: the same model, logprobs and weights.
+"""Megatron-Bridge's AutoBridge on modelzoo's LoopCoder, DeepSeek-V4 and V4.1: the same model, logprobs and weights.
 
 The model AutoBridge builds (Megatron-Bridge's provider contract: to_megatron_provider, finalize,
 provide_distributed_model, weights loaded by its pre-wrap hook) must give bit-identical log-probabilities to
@@ -37,8 +37,9 @@ from megatron.core.utils import unwrap_model
 
 pytestmark = pytest.mark.megatron_bridge
 
-CHECKPOINTS = {"loopcoder": TINY / "loopcoder-tiny", "deepseek_v4": TINY / "deepseek-v4-tiny"}
-OUR_BRIDGES = {"loopcoder": "LoopCoderBridge", "deepseek_v4": "DeepseekV4Bridge"}
+CHECKPOINTS = {"loopcoder": TINY / "loopcoder-tiny", "deepseek_v4": TINY / "deepseek-v4-tiny",
+               "deepseek_v41": TINY / "deepseek-v41-tiny"}
+OUR_BRIDGES = {"loopcoder": "LoopCoderBridge", "deepseek_v4": "DeepseekV4Bridge", "deepseek_v41": "DeepseekV41Bridge"}
 
 
 def tokens(vocab_size: int) -> torch.Tensor:
