@@ -107,9 +107,6 @@ class DeepseekV41Provider(ModelProvider):
 
     def check_parallel_layout(self, tp: int, ep: int = 1, cp: int = 1, pp: int = 1) -> None:
         super().check_parallel_layout(tp, ep, cp, pp)
-        if tp > 1 and self.config_overrides.get("sequence_parallel") and cp > 1:
-            raise ValueError(f"deepseek_v41: sequence parallelism with context parallel size {cp} is not implemented "
-                             "(use tensor parallelism without sequence_parallel there)")
         v41_config.check_parallel(self.hf_config, tp, ep)
 
     @property

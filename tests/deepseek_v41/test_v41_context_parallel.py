@@ -12,7 +12,8 @@ reference. At CP 2 a rank's chunks are 16 tokens of a row (9, 6 and 1 tokens of 
 compressor groups, candidate blocks and n-grams reach into the other rank's chunks.
 Layouts, one spawn of four ranks: CP 2 (two data-parallel replicas), EP 2 x CP 2 (Megatron forms the expert groups
 from the data x context ranks: the two ranks of a CP group are an EP group, and the experts see both ranks' tokens
-through the dispatcher) and TP 2 x CP 2.
+through the dispatcher), TP 2 x CP 2, and TP 2 + SP x CP 2 (the TP ranks split each sequence's share, padded to a
+multiple of 2, as SkyRL runs TP > 1 with CP).
 
 - The per-token loss each rank returns, gathered over the CP group, is minus the reference's log-probs
   (LOGPROB_TOLERANCE = 1e-5, the issue's bar: the same fp32 math in another order).
@@ -23,12 +24,11 @@ through the dispatcher) and TP 2 x CP 2.
   routed to it. They equal the reference's by test_v41_megatron_parity.py's per-tensor scheme
   (dsv41_helpers.grad_tolerances: against the float64 reference, bars from 1e-5 up to 4 x the fp32 reference's own
   error).
-- Each rank holds only its share: 64 / CP tokens. DSpark drafts (`draft_anchor_ids`) and sequence parallelism are
-  refused under CP.
+- Each rank holds only its share: 64 / CP tokens. DSpark drafts (`draft_anchor_ids`) are refused under CP.
 - Full recompute at CP 2 gives the loss and gradients of the run without it, bit for bit (the same ops on the same
   inputs: the keys a recomputed layer gathers again are the forward's).
 - The CLI: `logprobs --cp 2` (sequences one at a time and `--pack`) equals the hf backend, and `modelzoo parity
-  --cp 2` passes.
+  --cp 2` and `--tp 2 --sp --cp 2` pass.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from modelzoo.layers import context_parallel
 from modelzoo.layers.sequences import pack_sequences
 
 LENGTHS = (3, 21, 34)
-LAYOUTS = ((1, 1, 2), (1, 2, 2), (2, 1, 2))  # (tp, ep, cp) on four ranks
+LAYOUTS = ((1, 1, 2, False), (1, 2, 2, False), (2, 1, 2, False), (2, 1, 2, True))  # (tp, ep, cp, sp), four ranks
 FORMS = ("rows", "packed")
 
 
@@ -93,8 +93,9 @@ def tolerances(reference, float64_grads):
 def _local_step(provider, model, input_ids, labels, loss_mask, packed_seq_params=None) -> dict:
     """This rank's share: the whole per-token loss (gathered), the gradients of this rank's share of the mean loss
     reduced as DDP reduces them (dense ones over the data-parallel group with context parallelism, experts' over the
-    expert data-parallel group) and divided by the data-parallel replicas (which all run the same batch), by
-    checkpoint name (collective), and this rank's token count."""
+    expert data-parallel group; under sequence parallelism the marked ones also over TP, as finalize_model_grads
+    does) and divided by the data-parallel replicas (which all run the same batch), by checkpoint name
+    (collective), and this rank's token count."""
     from megatron.core import parallel_state
 
     ids, local_labels, local_mask = (context_parallel.split_for_rank(tensor, packed_seq_params)
@@ -108,6 +109,8 @@ def _local_step(provider, model, input_ids, labels, loss_mask, packed_seq_params
             dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
                             if getattr(param, "allreduce", True) else parallel_state.get_expert_data_parallel_group())
             param.grad /= replicas
+            if getattr(param, "sequence_parallel", False):  # this TP rank's tokens' share, as finalize_model_grads
+                dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
     weights = [param.detach().clone() for param in model.parameters()]
     grads = megatron_grads_as_hf(provider, model)
     for param, weight in zip(model.parameters(), weights):
@@ -119,9 +122,9 @@ def _local_step(provider, model, input_ids, labels, loss_mask, packed_seq_params
 def _rank(rank: int) -> dict:
     rows, sequences = _data()
     results = {}
-    for tp, ep, cp in LAYOUTS:
+    for tp, ep, cp, sp in LAYOUTS:
         with runtime.parallel(tp=tp, ep=ep, cp=cp):
-            provider = build_provider(V41_TINY, train_engram_tables=True)
+            provider = build_provider(V41_TINY, train_engram_tables=True, **({"sequence_parallel": True} if sp else {}))
             model = provider.provide()
             provider.load_hf_weights(model, progress=False)
             model.eval()
@@ -130,12 +133,12 @@ def _rank(rank: int) -> dict:
             row_mask[:, -1] = 0  # the last token has no target
             row_step = _local_step(provider, model, rows, rows.roll(-1, 1), row_mask)
             packed_step = _local_step(provider, model, batch.input_ids, *batch.labels(), batch.packed_seq_params)
-            if (tp, ep, cp) == LAYOUTS[0]:
+            if (tp, ep, cp, sp) == LAYOUTS[0]:
                 local = context_parallel.split_for_rank(rows)
                 with pytest.raises(ValueError) as refused:
                     model(local, draft_anchor_ids=local)
                 results["draft refusal"] = str(refused.value)
-            results[(tp, ep, cp)] = {
+            results[(tp, ep, cp, sp)] = {
                 "rows": dict(row_step, logprobs=[-row_step["loss"][:, :-1]], whole_tokens=rows.shape[1]),
                 "packed": dict(packed_step, logprobs=[-values[None] for values in batch.split(packed_step["loss"], 1)],
                                whole_tokens=batch.input_ids.shape[1]),
@@ -165,9 +168,9 @@ def _each(ranks):
         for layout, result in results.items():
             if layout not in LAYOUTS:
                 continue
-            tp, ep, cp = layout
+            tp, ep, cp, sp = layout
             for form in FORMS:
-                yield f"tp{tp} ep{ep} cp{cp} rank{rank} {form}", form, cp, result[form]
+                yield f"tp{tp}{' + sp' if sp else ''} ep{ep} cp{cp} rank{rank} {form}", form, cp, result[form]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -211,15 +214,6 @@ def test_full_recompute_under_context_parallelism_gives_the_same_loss_and_gradie
                     if not torch.equal(grad, plain["grads"][name])] == [], (rank, form)
 
 
-def test_sequence_parallelism_with_context_parallelism_is_refused():
-    provider = build_provider(V41_TINY, sequence_parallel=True)
-    with pytest.raises(ValueError) as refused:
-        provider.check_parallel_layout(2, cp=2)
-    assert str(refused.value) == ("deepseek_v41: sequence parallelism with context parallel size 2 is not implemented "
-                                  "(use tensor parallelism without sequence_parallel there)")
-    build_provider(V41_TINY).check_parallel_layout(2, cp=2)  # without sequence parallelism: accepted
-
-
 # --- the CLI ---------------------------------------------------------------------------------------------------------
 def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
     from modelzoo.conversion.cli import main
@@ -238,10 +232,11 @@ def test_cli_logprobs_with_cp_equal_the_hf_backend(tmp_path):
             assert max(abs(a - b) for a, b in zip(ours, theirs)) <= LOGPROB_TOLERANCE, kind
 
 
-def test_cli_parity_with_cp_passes(capsys):
+@pytest.mark.parametrize("layout", [[], ["--tp", "2", "--sp"]], ids=["cp2", "tp2-sp-cp2"])
+def test_cli_parity_with_cp_passes(capsys, layout):
     from modelzoo.conversion.cli import main
 
-    assert main(["parity", str(V41_TINY), "--cp", "2", "--json"]) == 0
+    assert main(["parity", str(V41_TINY), "--cp", "2", *layout, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["architecture"] == "deepseek_v41" and report["passed"]
     assert report["max_abs_diff_logprobs"] <= LOGPROB_TOLERANCE

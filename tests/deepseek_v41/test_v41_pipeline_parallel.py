@@ -35,7 +35,8 @@ of the whole rows.
 - DSpark drafts are refused at PP 2 in one sentence.
 - The boundary tensor: under bf16 (no spawn) the fp32 `pre` and token ids above 256 come back exactly; under
   sequence parallelism a TP rank's slice of a row shorter than the padded length carries only its real tokens.
-- The CLI's `parity` passes at `--pp 2`, `--pp 2 --cp 2` and `--pp 2 --tp 2 --sp` (rows and packed).
+- The CLI's `parity` passes at `--pp 2`, `--pp 2 --cp 2`, `--pp 2 --tp 2 --sp` and, on eight ranks,
+  `--pp 2 --tp 2 --sp --cp 2` (rows and packed).
 """
 
 from __future__ import annotations
@@ -352,7 +353,7 @@ def test_the_boundary_tensor_carries_pre_and_ids_exactly_in_bf16():
     ids = torch.randint(0, 200_000, (2, 16), generator=generator)
     streams = torch.randn(2, 16, args.hc_mult, args.hidden_size, generator=generator).bfloat16()
     pre = torch.rand(2, 16, args.hc_mult, generator=generator) * 3  # fp32 values bf16 cannot hold
-    boundary, shapes = Boundary(0, False, False), RowShapes.whole_rows([16, 16])
+    boundary, shapes = Boundary(0, False, False), RowShapes.of([16, 16], 16, [16, 16], 16)
     sent = pack(args, boundary, streams, pre, CompressedState(), shapes, ids, torch.bfloat16,
                 boundary_length(args, 16, torch.bfloat16))
     assert sent.shape == (boundary_length(args, 16, torch.bfloat16), 2, args.hidden_size)
@@ -370,7 +371,7 @@ def test_a_sequence_parallel_slice_carries_its_real_tokens_only():
     from modelzoo.deepseek_v41.model.pipeline import Boundary, RowShapes, boundary_length, pack, unpack
 
     args = DeepseekV41Args.from_hf(build_provider(V41_TINY).hf_config)
-    shapes = RowShapes.sequence_parallel([5, 12], 12, tp=2, rank=1)
+    shapes = RowShapes.of([5, 12], 12, [5, 12], 12, tp=2, rank=1)
     assert (shapes.tokens, shapes.padded_tokens, shapes.queries, shapes.padded_queries) == ([0, 6], 6, [5, 12], 12)
     generator = torch.Generator().manual_seed(0)
     streams = torch.randn(2, 6, args.hc_mult, args.hidden_size, generator=generator)
@@ -383,14 +384,15 @@ def test_a_sequence_parallel_slice_carries_its_real_tokens_only():
     assert received_streams[0].abs().max() == 0 and received_pre[0].abs().max() == 0
 
 
-@pytest.mark.parametrize("layout", [[], ["--cp", "2"], ["--tp", "2", "--sp"]], ids=["pp2", "pp2-cp2", "pp2-tp2-sp"])
+@pytest.mark.parametrize("layout", [[], ["--cp", "2"], ["--tp", "2", "--sp"], ["--tp", "2", "--sp", "--cp", "2"]],
+                         ids=["pp2", "pp2-cp2", "pp2-tp2-sp", "pp2-tp2-sp-cp2 (eight ranks)"])
 def test_cli_parity_at_pp_2(capsys, layout):
     from modelzoo.conversion.cli import main
 
     assert main(["parity", str(V41_TINY), "--pp", "2", *layout, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["pp"] == 2 and report["passed"]
-    assert (report["cp"], report["tp"], report["sp"]) == {0: (1, 1, False), 2: (2, 1, False), 3: (1, 2, True)}[
-        len(layout)]
+    assert (report["cp"], report["tp"], report["sp"]) == {0: (1, 1, False), 2: (2, 1, False), 3: (1, 2, True),
+                                                          5: (2, 2, True)}[len(layout)]
     assert report["max_abs_diff_logprobs"] <= LOGPROB_TOLERANCE
     assert report["max_abs_diff_logprobs_packed"] <= LOGPROB_TOLERANCE

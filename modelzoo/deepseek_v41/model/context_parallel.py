@@ -21,12 +21,13 @@ from modelzoo.layers.sequences import TokenLayout
 
 class SequenceShares:
     """This rank's tokens of each sequence of the whole rows, as rows [N, Lq] (N sequences), and the sequences'
-    tokens on every rank, as rows [N, L] (L: the longest sequence), both right-padded.
+    tokens on every rank, as rows [N, L] (L: the longest sequence), both right-padded; Lq a multiple of `multiple`
+    (the TP size under sequence parallelism, which splits these rows).
 
     padding [N, Lq] bool: a slot holding no token of this rank; positions [N, Lq]: each token's position in its
     sequence (0 at padding)."""
 
-    def __init__(self, layout: TokenLayout):
+    def __init__(self, layout: TokenLayout, multiple: int = 1):
         self.keys = layout.context_parallel_keys
         whole = layout.whole_rows()
         self.local_shape = tuple(layout.shape)
@@ -37,6 +38,8 @@ class SequenceShares:
             queries.append(mine + row * local_len)
             keys.append(torch.arange(length, device=mine.device) + row * whole_len + start)
         self.query_index = pad_sequence(queries, batch_first=True, padding_value=-1)      # [N, Lq] into [B * s]
+        self.query_index = torch.nn.functional.pad(self.query_index, (0, -self.query_index.shape[1] % multiple),
+                                                   value=-1)
         self.padding = self.query_index < 0
         self.real_index = self.query_index[~self.padding]
         self.positions = layout.positions.flatten()[self.query_index.clamp_min(0)].masked_fill(self.padding, 0)

@@ -18,8 +18,8 @@ packed rows) a rank runs its tokens of each sequence as such rows, with the keys
 sequences gathered over the CP group (`context_parallel_share`, model/context_parallel.py). Pipeline stages hold
 their layers as Megatron places them; between stages travel each row's (or packed sequence's, or under context
 parallelism each sequence's share) streams, the last site's pre and the CSA2 state, and the token ids, packed into
-one tensor (model/pipeline.py). Sequence parallelism is not combined with context parallelism (the provider refuses
-that layout).
+one tensor (model/pipeline.py). Under sequence parallelism with context parallelism the TP ranks split the rows of
+this CP rank's shares (padded to a multiple of tp) as they split whole rows.
 
 Sequence parallelism (modelzoo.layers.sequence_parallel, S split along dim 1 as in DeepSeek-V4): the embedding is
 reduce-scattered to this rank's S / tp tokens; the hyper-connection streams, their maps, each site's `pre` and the
@@ -245,16 +245,15 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     def row_shapes(self, layout: TokenLayout, shares: SequenceShares | None) -> pipeline.RowShapes:
         """What this rank holds of each row its layers run (as `each_sequence` and `context_parallel_share` lay
         the rows out)."""
+        tp = self.config.tensor_model_parallel_size if self.sequence_parallel else 1
+        split = dict(tp=tp, rank=parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0)
         if shares is not None:
-            here = (~shares.padding).sum(dim=1).tolist()
-            return pipeline.RowShapes(here, here, [length for *_, length in layout.whole_rows().sequences],
-                                      shares.padding.shape[1], shares.padding.shape[1], shares.key_index.shape[1])
+            return pipeline.RowShapes.of((~shares.padding).sum(dim=1).tolist(), shares.padding.shape[1],
+                                         [length for *_, length in layout.whole_rows().sequences],
+                                         shares.key_index.shape[1], **split)
         lengths = [layout.shape[1]] * layout.shape[0] if layout.plain else [length for *_, length in layout.sequences]
-        if not self.sequence_parallel:
-            return pipeline.RowShapes.whole_rows(lengths)
-        tp = self.config.tensor_model_parallel_size
-        return pipeline.RowShapes.sequence_parallel(lengths, max(lengths) + -max(lengths) % tp, tp,
-                                                    parallel_state.get_tensor_model_parallel_rank())
+        padded = max(lengths) + -max(lengths) % tp  # as each_sequence pads them (plain rows: S, a multiple of tp)
+        return pipeline.RowShapes.of(lengths, padded, lengths, padded, **split)
 
     def embedded(self, input_ids: torch.Tensor):
         """The first layer's (streams, pre, state): the embeddings copied into hc_mult streams (under sequence
@@ -291,7 +290,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
                              "the word embedding and the target layers of every stage (run them at one stage)")
         if draft_anchor_ids is not None and not layout.plain:
             raise ValueError("deepseek_v41: draft_anchor_ids needs plain rows (no padding or packing)")
-        shares = SequenceShares(layout) if layout.context_parallel_keys is not None else None
+        shares = None
+        if layout.context_parallel_keys is not None:  # under sequence parallelism the TP ranks split its rows
+            shares = SequenceShares(layout, self.config.tensor_model_parallel_size if self.sequence_parallel else 1)
         shapes = self.row_shapes(layout, shares)
         entering = None if self.pre_process else self.received(shapes)
         if shares is not None:

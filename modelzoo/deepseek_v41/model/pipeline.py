@@ -92,17 +92,15 @@ class RowShapes:
     padded_length: int
 
     @classmethod
-    def whole_rows(cls, lengths: list[int]) -> RowShapes:
-        """Rows run whole (no context or sequence parallelism), padded to the longest."""
-        return cls(lengths, lengths, lengths, max(lengths), max(lengths), max(lengths))
-
-    @classmethod
-    def sequence_parallel(cls, lengths: list[int], padded_length: int, tp: int, rank: int) -> RowShapes:
-        """Rows padded to `padded_length` (a multiple of tp), TP rank `rank` holding tokens [rank * P / tp,
-        (rank + 1) * P / tp) of each: its real tokens are a prefix of that slice; attention runs on whole rows."""
-        share = padded_length // tp
-        tokens = [min(max(length - rank * share, 0), share) for length in lengths]
-        return cls(tokens, lengths, lengths, share, padded_length, padded_length)
+    def of(cls, here: list[int], padded: int, lengths: list[int], padded_length: int, tp: int = 1,
+           rank: int = 0) -> RowShapes:
+        """Rows whose queries here are `here` tokens of each (a prefix of `padded` slots: the whole row, or under
+        context parallelism this rank's share), of rows of `lengths` tokens (padded to `padded_length`). Under
+        sequence parallelism (`tp` > 1) TP rank `rank` holds slots [rank * padded / tp, (rank + 1) * padded / tp)
+        of each row: its real tokens are a prefix of that slice, while attention runs on the rows whole."""
+        share = padded // tp
+        tokens = [min(max(queries - rank * share, 0), share) for queries in here]
+        return cls(tokens, here, lengths, share, padded, padded_length)
 
 
 @dataclasses.dataclass(frozen=True)
