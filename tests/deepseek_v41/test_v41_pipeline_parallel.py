@@ -10,7 +10,8 @@ Two splits of the 10 layers, each crossing the CSA2 state between stages (model/
   layer 4 on stage 1 hashes the token ids stage 0 sent.
 Each split also runs with activation recompute (full, uniform runs of 2 layers, on the even split; selective
 core_attn + layernorm + moe on the 3 + 7 split): the state a stage receives enters the checkpointed runs as their
-inputs. Batches: 2 micro-batches of 2 rows x 64 tokens (past the sliding window 8, the top-k 8 and the candidate budget),
+inputs. The even split runs once more with `variable_seq_lengths=True` and the schedule's `seq_length` the rows' own,
+as SkyRL's worker sets them (the stages exchange each tensor's shape before it). Batches: 2 micro-batches of 2 rows x 64 tokens (past the sliding window 8, the top-k 8 and the candidate budget),
 one micro-batch of the sequences of lengths 3, 21 and 34 packed into a row, and one of 2 rows x 64 tokens of which
 the second is right-padded after 45 (a [2, 1, 1, 64] padding mask); the reference runs each packed or padded
 sequence alone. On four ranks CP 2 and TP 2 + SP run through the same schedule at PP 1 and at PP 2 (even, even with full recompute,
@@ -67,7 +68,9 @@ FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", 
 SELECTIVE_RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "moe"])
 SPLITS = {"even": {}, "3+7": dict(num_layers_in_first_pipeline_stage=3),
           "even, full recompute": FULL_RECOMPUTE,
-          "3+7, selective recompute": dict(num_layers_in_first_pipeline_stage=3, **SELECTIVE_RECOMPUTE)}
+          "3+7, selective recompute": dict(num_layers_in_first_pipeline_stage=3, **SELECTIVE_RECOMPUTE),
+          # SkyRL's setting: the stages exchange each tensor's shape first; its schedule's seq_length is the rows'
+          "even, variable_seq_lengths": dict(variable_seq_lengths=True)}
 # four ranks: each layout at PP 1 (`runtime.parallel` sizes, provider options), then at PP 2 with three splits
 ONE_STAGE = {"cp2": (dict(cp=2), {}), "tp2 + sp": (dict(tp=2), dict(sequence_parallel=True))}
 FOUR_RANK_SPLITS = {"": {}, ", full recompute": FULL_RECOMPUTE,
@@ -155,9 +158,10 @@ def _schedule(provider, ddp, form: str, forward_only: bool, divisor: int) -> lis
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batches = _micro_batches(form, divisor)
+    seq_length = batches[0]["input_ids"].shape[1]
     return get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
-        seq_length=provider.pipeline_seq_length(batches[0]["input_ids"].shape[1]),
+        seq_length=seq_length if ddp.config.variable_seq_lengths else provider.pipeline_seq_length(seq_length),
         micro_batch_size=batches[0]["input_ids"].shape[0], forward_only=forward_only)
 
 
