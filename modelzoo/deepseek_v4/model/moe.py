@@ -53,9 +53,10 @@ class MegatronOrder:
     tokens: int
 
     @classmethod
-    def batch_first(cls, batch: int, seq: int, device) -> MegatronOrder:
-        """Rows [B, S] as the router sees them: Megatron's order is sequence-major ([s, b])."""
-        places = torch.arange(seq, device=device) * batch + torch.arange(batch, device=device)[:, None]
+    def of_batch_first(cls, index: torch.Tensor, batch: int, seq: int) -> MegatronOrder:
+        """Slots holding the tokens at `index` (-1: none) of a micro-batch [B, S] read batch-first (b * S + s):
+        Megatron's order is sequence-major (s * B + b)."""
+        places = (index % seq * batch + index // seq).masked_fill(index < 0, -1)
         return cls(places.flatten(), batch * seq)
 
 
@@ -113,7 +114,8 @@ class Router(Decider):
         if self.router_replay is None:
             indices = self.choose(scores, input_ids)
         else:
-            order = order or MegatronOrder.batch_first(*hidden_states.shape[:2], hidden_states.device)
+            batch, seq = hidden_states.shape[:2]
+            order = order or MegatronOrder.of_batch_first(torch.arange(batch * seq, device=scores.device), batch, seq)
             indices = self.replayable_choice(scores, input_ids, order)
         if padding is not None:
             indices = indices.masked_fill(padding.reshape(-1, 1), -1)

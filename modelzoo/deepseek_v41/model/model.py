@@ -335,11 +335,9 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         lengths = torch.tensor([length for *_, length in sequences], device=input_ids.device)
         slots = torch.arange(rows.shape[1], device=rows.device)
         padding = slots >= lengths[:, None]
-        # the slots' tokens in the micro-batch, in Megatron's sequence-major order (-1: padding)
-        starts = torch.tensor([start for _, start, _ in sequences], device=input_ids.device)
-        in_batch = torch.tensor([row for row, *_ in sequences], device=input_ids.device)
-        places = ((starts[:, None] + slots) * input_ids.shape[0] + in_batch[:, None]).masked_fill(padding, -1)
-        order = MegatronOrder(places.flatten(), input_ids.numel())
+        # the slots' tokens in the micro-batch (-1: padding), for routing replay
+        starts = torch.tensor([row * input_ids.shape[1] + start for row, start, _ in sequences], device=rows.device)
+        order = MegatronOrder.of_batch_first((starts[:, None] + slots).masked_fill(padding, -1), *input_ids.shape)
         hidden_rows, _ = self.backbone(rows, padding, entering=entering, order=order)
         if not self.post_process:
             return hidden_rows
@@ -354,9 +352,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         of one forward, whose keys are the whole sequences gathered over the group (`shares`); their hidden states
         put back in this rank's order (zeros at tokens of no sequence) [B, s, hidden]; before the last pipeline
         stage the rows' (streams, pre, state). `entering`: what the previous stage sent."""
-        local_len = shares.local_shape[1]
-        places = shares.query_index % local_len * input_ids.shape[0] + shares.query_index // local_len
-        order = MegatronOrder(places.masked_fill(shares.padding, -1).flatten(), input_ids.numel())
+        order = MegatronOrder.of_batch_first(shares.query_index, *input_ids.shape)
         hidden_rows, _ = self.backbone(shares.rows(input_ids), shares.padding, shares=shares, entering=entering,
                                        order=order)
         return shares.put_back(hidden_rows) if self.post_process else hidden_rows
