@@ -41,7 +41,9 @@ class _ModelNamings:
 
 @register
 class DeepseekV41Provider(ModelProvider):
-    """`train_engram_tables=True`: the Engram tables train (frozen by default, as in the release's fine-tuning).
+    """`attention`: "exact" (dense masks, the parity path) or "fast" (each query over its window keys and picked
+    latents: DeepSeek-V4's window attention and sparse kernels, model/attention.py). `train_engram_tables=True`: the
+    Engram tables train (frozen by default, as in the release's fine-tuning).
     `fake_quant=True`: every forward rounds the window K/V to FP8 and the compressed K/V and indexer queries and keys
     to FP4, as the release's inference stores them, with straight-through gradients (model/attention.py); the parity
     oracle then runs our reference with `fake_quant=True`."""
@@ -96,9 +98,6 @@ class DeepseekV41Provider(ModelProvider):
         v41_config.check_supported(self.hf_config, self.config_source)
         if self.hf_dir is not None:  # a checkpoint folder: its tokenizer checked before anything is read or written
             self._token_map = self.engram_token_map()
-        if self.attention != "exact":
-            raise ValueError(f"deepseek_v41: attention={self.attention!r} is not implemented; the Megatron model runs "
-                             "the exact (eager) attention")
         text = self.hf_config
         if self.fake_quant and (text.head_dim % 32 or text.index_head_dim % 32):
             raise ValueError(f"deepseek_v41: fake_quant=True needs head_dim ({text.head_dim}) and index_head_dim "
@@ -194,7 +193,7 @@ class DeepseekV41Provider(ModelProvider):
 
         token_map = None if config.init_model_with_meta_device else self.engram_token_map()
         return DeepseekV41Model(config, self.args, self.padded_vocab_size(), token_map, self.carried_tensors(),
-                                self.train_engram_tables, self.fake_quant, **self.pipeline_stage())
+                                self.train_engram_tables, self.fake_quant, self.attention, **self.pipeline_stage())
 
     def oracle_forward_kwargs(self) -> dict:
         return {"fake_quant": True} if self.fake_quant else {}

@@ -33,6 +33,7 @@ forward (`kept_for_recompute`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,7 @@ from modelzoo.deepseek_v4.model.layers import (
     fp32_param,
     mark_tensor_parallel,
 )
+from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.hf_model import (
@@ -151,6 +153,13 @@ def sink_attention(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Ten
     return torch.einsum("...hqk,...kd->...qhd", probabilities, keys.float()).to(queries.dtype)
 
 
+def picked_latents(selected: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k mask [B, S, T] as latent ids [B, S, min(k, T)], -1 for an empty slot (the fast attention's picks;
+    a mask holds at most k picks)."""
+    chosen, ids = selected.to(torch.uint8).topk(min(k, selected.shape[-1]), dim=-1)
+    return torch.where(chosen.bool(), ids, -1)
+
+
 def query_positions(x: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
     """The queries' positions in their sequences: [S] for whole rows x [B, S, ...], [B, S] for this CP rank's."""
     return torch.arange(x.shape[1], device=x.device) if shares is None else shares.positions
@@ -161,8 +170,9 @@ class DeepseekV41Attention(nn.Module):
     `fake_quant`: the release's FP8 / FP4 rounding of the K/V and indexer inputs (the module docstring)."""
 
     def __init__(self, config, args: DeepseekV41Args, layer_idx: int, fake_quant: bool = False,
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, attention: str = "exact"):
         super().__init__()
+        self.attention = attention  # "exact": dense [S, S + T] masks (the parity path); "fast": `attend_picks`
         self.recompute_core = recompute_core  # selective recompute "core_attn"
         text, tp = args.text, config.tensor_model_parallel_size
         if args.num_heads % tp or args.o_groups % tp:
@@ -242,15 +252,51 @@ class DeepseekV41Attention(nn.Module):
         """The compressed entries and the attention over them and the window, from explicit inputs (`read`: the
         state's values before this layer) -> (attended [B, S, h, D], *the state's values after it)."""
         state = CompressedState(*read)
+        latents = self.compressed_keys(x, q_residual, state, shares) if self.ratio else None
+        if self.attention == "fast":
+            picks = None if latents is None else picked_latents(state.selected, self.index_topk)
+            return self.attend_picks(queries, keys, latents, picks, state.ratio, shares), *state_values(state)
         positions = query_positions(x, shares)
         offset = positions[..., :, None] - torch.arange(keys.shape[1], device=x.device)
         allowed = ((offset >= 0) & (offset < self.sliding_window)).expand(x.shape[0], -1, -1)
-        if self.ratio:
-            latents = self.compressed_keys(x, q_residual, state, shares)
-            if latents is not None:
-                keys = torch.cat((keys, latents), dim=1)
-                allowed = torch.cat((allowed, state.selected), dim=-1)
+        if latents is not None:
+            keys = torch.cat((keys, latents), dim=1)
+            allowed = torch.cat((allowed, state.selected), dim=-1)
         return self.attend(queries, keys, allowed), *state_values(state)
+
+    def attend_picks(self, queries: torch.Tensor, keys: torch.Tensor, latents: torch.Tensor | None,
+                     picks: torch.Tensor | None, ratio: int, shares: SequenceShares | None) -> torch.Tensor:
+        """`attention="fast"`: DeepSeek-V4's `window_sink_attention`, each query over its window keys and its
+        picked latents (the sparse kernels on a GPU: work in S x (window + k), no [S, S + T] mask or scores).
+        queries [B, S, h, D]; keys [B, L, D] (L = S, or under context parallelism the whole sequences); latents
+        [B, T, D] and picks [B, S, k] (latent ids, -1 for none) or None."""
+        kv = keys if latents is None else torch.cat((keys, latents), dim=1)
+        # K = V is computed on every rank but read only by this rank's heads: sum its gradients
+        kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
+        attention = functools.partial(window_sink_attention, sinks=self.sinks, scale=self.scaling,
+                                      window=self.sliding_window, ratio=ratio if latents is not None else None)
+        if shares is None:
+            return attention(queries, kv, picks=picks)
+        # this rank's queries of a sequence are runs of consecutive positions: each run attends with the window keys
+        # before it (other ranks' tokens: its halo) and its sequence's latents. One gather of every run's queries
+        # and keys and one placement of the outputs (per-run slices would each write a full-size gradient).
+        seq_len, kv_len, latents_len = queries.shape[1], kv.shape[1], kv.shape[1] - keys.shape[1]
+        runs, query_index, key_index = [], [], []
+        for row, slot, position, count in shares.runs:
+            halo = min(position, self.sliding_window - 1)
+            query_index.append(torch.arange(count) + row * seq_len + slot)
+            key_index.append(torch.arange(position - halo, position + count) + row * kv_len)
+            key_index.append(torch.arange(latents_len) + row * kv_len + keys.shape[1])
+            runs.append((row, slot, position, count, halo))
+        query_index = torch.cat(query_index).to(queries.device, non_blocking=True)
+        key_index = torch.cat(key_index).to(queries.device, non_blocking=True)
+        run_queries = queries.flatten(0, 1).index_select(0, query_index).split([run[3] for run in runs])
+        run_keys = kv.flatten(0, 1).index_select(0, key_index).split([run[3] + run[4] + latents_len for run in runs])
+        outputs = [attention(q[None], k[None], picks=None if picks is None else picks[row:row + 1, slot:slot + count],
+                             first_position=position, halo=halo)[0]
+                   for q, k, (row, slot, position, count, halo) in zip(run_queries, run_keys, runs)]
+        out = queries.new_zeros(queries.shape[0] * seq_len, *queries.shape[2:])
+        return out.index_copy(0, query_index, torch.cat(outputs)).view_as(queries)
 
     def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
                         shares: SequenceShares | None = None):

@@ -12,6 +12,8 @@ loss are per token.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -46,6 +48,18 @@ class SequenceShares:
         # a slot past a sequence's end reads the batch's first token: it comes after every query of the sequence,
         # so no query sees it (window keys, latents) and no n-gram reads it
         self.key_index = pad_sequence(keys, batch_first=True, padding_value=0)             # [N, L] into [B * S]
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """This rank's tokens as runs of consecutive positions of a sequence: (row, first slot, its position,
+        count). Under Megatron's load-balanced layout a rank holds two chunks of each sequence."""
+        real = ~self.padding
+        starts = real.clone()
+        starts[:, 1:] &= ~real[:, :-1] | (self.positions[:, 1:] != self.positions[:, :-1] + 1)
+        rows, slots = torch.nonzero(starts, as_tuple=True)
+        run_id = starts.flatten().cumsum(0).view_as(starts) - 1
+        counts = torch.bincount(run_id[real], minlength=len(rows))
+        return list(zip(rows.tolist(), slots.tolist(), self.positions[rows, slots].tolist(), counts.tolist()))
 
     def rows(self, local: torch.Tensor) -> torch.Tensor:
         """[B, s, ...] of this rank's tokens -> [N, Lq, ...] (padding slots read the first token)."""

@@ -79,10 +79,11 @@ class SinglePassHyperConnection(HyperConnection):
 class DeepseekV41Layer(nn.Module):
     """One block: attention site and FFN site with single-pass hyper-connections, optionally an Engram (run by the
     model before the block). `layer_idx` >= num_layers: a DSpark draft layer (sliding window, its own MoE size).
-    `fake_quant`: its attention rounds K/V and indexer inputs as the release stores them (model/attention.py)."""
+    `fake_quant`: its attention rounds K/V and indexer inputs as the release stores them; `attention`: "exact" or
+    "fast" (model/attention.py)."""
 
     def __init__(self, config, args: DeepseekV41Args, layer_idx: int, train_engram_tables: bool = False,
-                 fake_quant: bool = False, recompute: frozenset[str] = frozenset()):
+                 fake_quant: bool = False, recompute: frozenset[str] = frozenset(), attention: str = "exact"):
         """`recompute`: the selective recompute_modules (SELECTIVE_RECOMPUTE's names)."""
         super().__init__()
         self.layer_idx = layer_idx
@@ -93,7 +94,7 @@ class DeepseekV41Layer(nn.Module):
         self.attn_hc = per_token(SinglePassHyperConnection(**hc), config)
         self.input_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
         self.self_attention = DeepseekV41Attention(whole_sequence, args, layer_idx, fake_quant,
-                                                   "core_attn" in recompute)
+                                                   "core_attn" in recompute, attention)
         self.ffn_hc = per_token(SinglePassHyperConnection(**hc), config)
         self.pre_mlp_layernorm = per_token(RMSNorm(args.hidden_size, args.rms_norm_eps), config)
         self.mlp = DeepseekV41MoE(whole_sequence, args if layer_idx < args.num_layers else args.draft_moe(),
@@ -168,13 +169,15 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
     tables (`train_engram_tables=True` trains them), the DSpark layers (trained after pre-training with the backbone
     frozen); the router biases are buffers.
     `fake_quant=True`: every forward (backbone and DSpark layers) rounds the window K/V to FP8 and the compressed K/V
-    and indexer queries and keys to FP4, as the release's inference stores them, with straight-through gradients."""
+    and indexer queries and keys to FP4, as the release's inference stores them, with straight-through gradients.
+    `attention="fast"`: the backbone's attention runs each query over its window keys and picked latents
+    (model/attention.py); the DSpark layers' block attention is always exact."""
 
     model_type = ModelType.encoder_or_decoder
 
     def __init__(self, config, args: DeepseekV41Args, padded_vocab_size: int, token_map: torch.Tensor | None,
                  carried: dict | None = None, train_engram_tables: bool = False, fake_quant: bool = False,
-                 pre_process: bool = True, post_process: bool = True):
+                 attention: str = "exact", pre_process: bool = True, post_process: bool = True):
         """`token_map`: the Engram's normalised vocabulary (None: a forward is refused; a skeleton needs none);
         `carried`: name -> (shape, dtype) of the checkpoint tensors held unused for the export."""
         super().__init__(config=config)
@@ -195,7 +198,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         # recompute_granularity="selective": V4's recompute_modules, which name the same pieces of a V4.1 layer
         recompute = selective_modules(config, "DeepSeek-V4.1", SELECTIVE_RECOMPUTE)
         for index in stage_layers(config):
-            layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant, recompute)
+            layer = DeepseekV41Layer(config, args, index, train_engram_tables, fake_quant, recompute, attention)
             layer.layer_number = index + 1
             layer.mlp.router.set_layer_number(layer.layer_number)
             self.decoder.layers.append(layer)
