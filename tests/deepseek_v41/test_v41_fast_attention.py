@@ -9,6 +9,9 @@ of sequences of 3, 21 and 34 tokens (each sequence a right-padded row of its own
 tensor's largest magnitude: the same fp32 math summed in another order (measured at most 3.3e-7 on the outputs); a
 window key or pick missed or added moves the output by a whole key's share of the softmax (~1e-1).
 
+Where a GPU is present (the model's device: `runtime.device()`) the same comparison runs the fast path's picks through V4's sparse Triton kernels (fp32
+products in IEEE precision) and the window-only layers through the dense blocks.
+
 The model-level checks (log-probs against the reference, gradients, context parallelism, recompute) run the fast
 path in test_v41_context_parallel.py.
 """
@@ -39,6 +42,7 @@ def _both_paths(records: list, original):
             with torch.enable_grad():
                 attended = original(self, inputs[0], q_residual, *inputs[1:], shares, *read)[0]
                 probe = torch.randn(attended.shape, generator=torch.Generator().manual_seed(self.layer_idx))
+                probe = probe.to(attended.device)
                 attended.backward(probe)
             results[path] = (attended.detach(), *(tensor.grad for tensor in inputs))
         records.append((self.layer_idx, results))
@@ -50,7 +54,8 @@ def _both_paths(records: list, original):
 
 @pytest.fixture(scope="module")
 def records():
-    rows = random_rows(2, 64, seed=0)
+    device = runtime.device()
+    rows = random_rows(2, 64, seed=0).to(device)
     batch = pack_sequences([random_rows(1, length, seed=length)[0].tolist() for length in LENGTHS])
     recorded = {"rows": [], "packed": []}
     original = DeepseekV41Attention.core
@@ -62,7 +67,7 @@ def records():
             patch.setattr(DeepseekV41Attention, "core", _both_paths(recorded["rows"], original))
             model(rows)
             patch.setattr(DeepseekV41Attention, "core", _both_paths(recorded["packed"], original))
-            model(batch.input_ids, packed_seq_params=batch.packed_seq_params)
+            model(batch.input_ids.to(device), packed_seq_params=batch.packed_seq_params)
     return recorded
 
 
