@@ -75,7 +75,6 @@ def active_parameters(c: dict) -> float:
 
 
 def step_flops(c: dict, seq: int) -> float:
-    tokens = BATCH * seq
     entries = 0.0  # attended keys per query, summed over layers (mean over positions)
     for kind in c["layer_types"]:
         window = min(c["sliding_window"], seq / 2)
@@ -85,8 +84,15 @@ def step_flops(c: dict, seq: int) -> float:
             entries += window + seq / c["compress_rates"][kind] / 2
         else:
             entries += window
-    attention = 3 * 4 * tokens * c["num_attention_heads"] * c["head_dim"] * entries
-    return 6 * tokens * active_parameters(c) + attention
+    return training_flops(c, seq, active_parameters(c), entries)
+
+
+def training_flops(c: dict, seq: int, parameters: float, entries: float) -> float:
+    """FLOPs of a training step (forward + backward: 3 x the forward's) on `BATCH` rows of `seq` tokens: 2 per matmul
+    parameter and token, and 2 x 2 per query head channel and attended key (QK^T, PV); `entries`: the keys a query
+    attends, summed over the layers."""
+    tokens = BATCH * seq
+    return 6 * tokens * parameters + 3 * 4 * tokens * c["num_attention_heads"] * c["head_dim"] * entries
 
 
 RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
@@ -98,13 +104,15 @@ RECOMPUTE = {  # --recompute: Megatron's TransformerConfig settings
 }
 
 
-def our_model(folder: Path, attention: str, recompute: dict | None = None, dtype: torch.dtype = torch.bfloat16):
+def our_model(folder: Path, attention: str, recompute: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+              **options):
     """(provider, model) of our model of the checkpoint in `folder` (DeepSeek-V4 here) in `dtype` with its weights
-    (inside runtime.parallel); `recompute`: Megatron's recompute settings (`recompute_settings`)."""
+    (inside runtime.parallel); `recompute`: Megatron's recompute settings (`recompute_settings`); `options`: more
+    `build_provider` keywords of the architecture."""
     from modelzoo.registry import build_provider
 
     provider = build_provider(folder, params_dtype=dtype, attention=attention, perform_initialization=False,
-                              **(recompute or {}))
+                              **(recompute or {}), **options)
     model = provider.provide()
     provider.load_hf_weights(model, progress=False)
     return provider, model
@@ -140,14 +148,15 @@ def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: dict | None 
     return model, step
 
 
-def profile_our_model(folder: Path, ids: torch.Tensor, path: str, steps: int, warmup: int = 3,
-                      recompute: dict | None = None) -> None:
+def profile_our_model(make_step, steps: int, warmup: int = 3) -> None:
+    """Profile `steps` training steps of our model after 1 + `warmup` untimed ones and print the top ops;
+    `make_step()` builds the model and returns its step (inside runtime.parallel)."""
     from torch.profiler import ProfilerActivity, profile
 
     from modelzoo import runtime
 
     with runtime.parallel(tp=1):
-        _, step = our_step(folder, ids, path, recompute)
+        step = make_step()
         for _ in range(1 + warmup):
             step()
         torch.cuda.synchronize()
@@ -193,6 +202,53 @@ def print_gpu_idle(prof, gaps: int = 15) -> None:
         print(f"  {gap:8.1f} us  after {before[:70]}  before {after[:70]}")
 
 
+def timed_result(name: str, step, flops: float, peak: float | None, tokens: int, steps: int, warmup: int) -> dict:
+    """The figures of `name`'s training `step` (flops each; `peak`: the matmul TFLOP/s of the GPU, None without
+    one): its first step apart (its loss is the check that the models compute the same thing: same weights, same
+    tokens), then `steps` timed ones after `warmup`. Running out of GPU memory is a figure in itself (the Hugging
+    Face model's eager attention at long rows)."""
+    started = time.perf_counter()
+    try:
+        loss = float(step())
+        first_step = time.perf_counter() - started  # includes compiling, for the fused paths
+        seconds, memory = time_steps(step, steps, warmup)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"model": name, "out_of_memory": True,
+                "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
+    torch.cuda.empty_cache()
+    tflops = flops / seconds / 1e12
+    return {"model": name, "ms_per_step": 1e3 * seconds, "tokens_per_s": tokens / seconds,
+            "tflops_lower_bound": tflops, "mfu_lower_bound": None if peak is None else tflops / peak,
+            "peak_memory_gib": memory, "loss": loss, "first_step_s": first_step}
+
+
+def print_results(results: list[dict], config_name: str, parameters: float, peak: float | None, seq: int,
+                  with_hf: bool) -> None:
+    """The table of `timed_result`s; with `with_hf` the first is the Hugging Face model, whose tokens/s the others
+    are compared with (each gets `tokens_per_s_vs_hf`, unless it ran out of memory). "-": not measured (on the CPU,
+    MFU and memory)."""
+    def figure(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    baseline = results[0] if with_hf else {"out_of_memory": True}
+    print(f"config {config_name}: {parameters / 1e9:.2f}B active matmul parameters; bf16 matmul peak measured: "
+          f"{figure(peak, '.0f')} TFLOP/s; batch {BATCH} x {seq}")
+    print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"
+          f"{'loss':>9}{'1st step s':>11}")
+    for r in results:
+        if r.get("out_of_memory"):
+            print(f"{r['model']:<34}  out of memory on a {r['gpu_memory_gib']:.1f} GiB GPU")
+            continue
+        ratio = "n/a"
+        if not baseline.get("out_of_memory"):
+            r["tokens_per_s_vs_hf"] = r["tokens_per_s"] / baseline["tokens_per_s"]
+            ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
+        print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
+              f"{figure(r['mfu_lower_bound'], '.1%'):>7}{figure(r['peak_memory_gib'], '.1f'):>9}{ratio:>7}"
+              f"{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
@@ -235,28 +291,15 @@ def run(args, folder: Path) -> None:
     ids = random_tokens(config["vocab_size"], (BATCH, args.seq))
     recompute, setting = recompute_settings(RECOMPUTE, args.recompute, args.recompute_layers)
     if args.profile:
-        profile_our_model(folder, ids, args.paths.split(",")[0], args.profile_steps, args.warmup, recompute)
+        path = args.paths.split(",")[0]
+        profile_our_model(lambda: our_step(folder, ids, path, recompute)[1], args.profile_steps, args.warmup)
         return
     peak = matmul_peak_tflops()
     flops = step_flops(config, args.seq)
     results = []
 
     def record(name, step):
-        started = time.perf_counter()
-        try:
-            loss = float(step())  # also the check that both models compute the same thing (same weights, same tokens)
-            first_step = time.perf_counter() - started  # includes compiling, for the fused paths
-            seconds, memory = time_steps(step, args.steps, args.warmup)
-        except torch.OutOfMemoryError:  # a figure in itself: transformers' eager attention at long sequences
-            results.append({"model": name, "out_of_memory": True,
-                            "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30})
-            torch.cuda.empty_cache()
-            return
-        tflops = flops / seconds / 1e12
-        results.append({"model": name, "ms_per_step": 1e3 * seconds, "tokens_per_s": BATCH * args.seq / seconds,
-                        "tflops_lower_bound": tflops, "mfu_lower_bound": tflops / peak, "peak_memory_gib": memory,
-                        "loss": loss, "first_step_s": first_step})
-        torch.cuda.empty_cache()
+        results.append(timed_result(name, step, flops, peak, BATCH * args.seq, args.steps, args.warmup))
 
     with_hf = not args.no_hf and args.recompute_layers is None  # transformers recomputes every layer or none
     if with_hf:
@@ -273,21 +316,7 @@ def run(args, folder: Path) -> None:
             model.release_cuda_graphs()
             del model, step
 
-    baseline = results[0] if with_hf else {"out_of_memory": True}
-    print(f"config {args.config}: {active_parameters(config) / 1e9:.2f}B active matmul parameters; "
-          f"bf16 matmul peak measured: {peak:.0f} TFLOP/s; batch {BATCH} x {args.seq}")
-    print(f"{'model':<34}{'ms/step':>9}{'tok/s':>9}{'TFLOP/s>=':>11}{'MFU>=':>7}{'mem GiB':>9}{'x HF':>7}"
-          f"{'loss':>9}{'1st step s':>11}")
-    for r in results:
-        if r.get("out_of_memory"):
-            print(f"{r['model']:<34}  out of memory on a {r['gpu_memory_gib']:.1f} GiB GPU")
-            continue
-        ratio = "n/a"
-        if not baseline.get("out_of_memory"):
-            r["tokens_per_s_vs_hf"] = r["tokens_per_s"] / baseline["tokens_per_s"]
-            ratio = f"{r['tokens_per_s_vs_hf']:.2f}"
-        print(f"{r['model']:<34}{r['ms_per_step']:>9.1f}{r['tokens_per_s']:>9.0f}{r['tflops_lower_bound']:>11.0f}"
-              f"{r['mfu_lower_bound']:>7.1%}{r['peak_memory_gib']:>9.1f}{ratio:>7}{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
+    print_results(results, args.config, active_parameters(config), peak, args.seq, with_hf)
     suffix = "" if setting == "none" else f"_{setting}_recompute"
     write_run(args.out or results_file(f"deepseek_v4_{args.config}_seq{args.seq}{suffix}"),
               {**run_record("bench_deepseek_v4.py"), "peak_tflops": peak, "config_name": args.config, "seq": args.seq,

@@ -2,7 +2,8 @@
 recompute settings, and scratch folders that go away when a run is stopped.
 
 The benchmarks are scripts run as `python3 benchmarks/<script>.py`, which puts `benchmarks/` on `sys.path`: they
-import this module, and the dense benchmark's model configs from `bench_dense`, by name.
+import this module, and the dense benchmark's model configs from `bench_dense`, by name. This module adds the
+repository root after it, so that they import the tiny checkpoints' generators (`tiny_checkpoints`) as the tests do.
 
 A result file, `benchmarks/results/<benchmark>[_<config>]_<gpu>.json`, holds one benchmark, configuration and machine
 kind: `{"runs": [...]}`, each run with its `command`, `commit`, `date`, `machine` and `versions` beside its figures.
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository root: tiny_checkpoints/
 PROVENANCE = ("command", "commit", "date", "machine", "versions")
 PACKAGES = ("megatron-core", "transformers")  # beside Python and torch
 
@@ -139,9 +141,10 @@ def recompute_settings(table: dict, setting: str, layers: int | None) -> tuple[d
 
 
 def random_tokens(vocab: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Token ids drawn from a fixed seed, on the GPU: runs in separate processes time the same tokens (the MoE's
-    routing, and so its timing, depends on them)."""
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0)).cuda()
+    """Token ids drawn from a fixed seed, on the GPU (on the CPU without one): runs in separate processes time the
+    same tokens (the MoE's routing, and so its timing, depends on them)."""
+    tokens = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+    return tokens.cuda() if torch.cuda.is_available() else tokens
 
 
 def matmul_peak_tflops() -> float:
@@ -158,25 +161,31 @@ def matmul_peak_tflops() -> float:
     return 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
 
 
-def time_steps(step, steps: int, warmup: int = 3) -> tuple[float, float]:
-    """Mean seconds of `steps` calls of `step` after `warmup` untimed ones, and the peak GiB reserved meanwhile."""
+def time_steps(step, steps: int, warmup: int = 3) -> tuple[float, float | None]:
+    """Mean seconds of `steps` calls of `step` after `warmup` untimed ones, and the peak GiB reserved meanwhile (None
+    on a machine without a GPU, where the steps run on the CPU)."""
+    gpu = torch.cuda.is_available()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    if gpu:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
     # reserved, not allocated: what the caching allocator holds from the GPU (CUDA graph pools included)
-    return (time.perf_counter() - start) / steps, torch.cuda.max_memory_reserved() / 2**30
+    return seconds, torch.cuda.max_memory_reserved() / 2**30 if gpu else None
 
 
-def hf_step(model, ids):
-    """A training step of a transformers model: forward and backward of its mean token loss."""
+def hf_step(model, ids, **forward_kwargs):
+    """A training step of a transformers model: forward and backward of its mean token loss; `forward_kwargs`: more
+    keywords of its forward (a provider's `oracle_forward_kwargs`)."""
     def step():
         model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids, use_cache=False).loss
+        loss = model(ids, labels=ids, use_cache=False, **forward_kwargs).loss
         loss.backward()
         return loss.detach()
     return step

@@ -1,6 +1,7 @@
 """The tiny random DeepSeek-V4.1 checkpoint in transformers main's naming, byte for byte reproducible.
 
     write_deepseek_v41_tiny(folder)          # config.json + model.safetensors + tokenizer.json
+    write_deepseek_v41_tiny(folder, config)  # the same generator at another config (benchmarks/bench_deepseek_v41.py)
     write_deepseek_v41_tiny_native(folder)   # the release layout: native names, FP8 / FP4, sharded
 
 Every layer role is present at a test-sized scale (hidden 64, 10 backbone layers, 3 DSpark layers):
@@ -49,8 +50,9 @@ WHITESPACE = [" ", "  ", "\t", "\n", " \n"]
 PUNCTUATION = [".", ",", "!", "?", ":", ";", "(", ")", "-", "'"]
 
 
-def tiny_vocabulary() -> list[str]:
-    """250 distinct tokens; many normalise alike (case, accents, full width, a leading space, whitespace)."""
+def tiny_vocabulary(size: int = 250) -> list[str]:
+    """`size` distinct tokens (at least 200); many normalise alike (case, accents, full width, a leading space,
+    whitespace). The fillers that make up the size are classes of their own (`engram_classes`)."""
     tokens = list(SPECIAL_TOKENS)
     for word in WORDS:
         tokens += [word, word.capitalize(), word.upper(), " " + word]
@@ -59,14 +61,14 @@ def tiny_vocabulary() -> list[str]:
     tokens += list(FULL_WIDTH.values()) + WHITESPACE + PUNCTUATION
     tokens += [str(digit) for digit in range(10)]
     tokens += [chr(code) for code in range(ord("a"), ord("z") + 1) if chr(code) not in tokens]
-    tokens += [f"x{index:02d}" for index in range(250 - len(tokens))]  # distinct fillers up to 250
-    assert len(tokens) == len(set(tokens)) == 250
+    tokens += [f"x{index:02d}" for index in range(size - len(tokens))]  # distinct fillers up to `size`
+    assert len(tokens) == len(set(tokens)) == size
     return tokens
 
 
-def tokenizer_json() -> dict:
-    """A tokenizer.json in the `tokenizers` format: WordLevel over the tiny vocabulary, whitespace-split."""
-    tokens = tiny_vocabulary()
+def tokenizer_json(size: int = 250) -> dict:
+    """A tokenizer.json in the `tokenizers` format: WordLevel over `tiny_vocabulary(size)`, whitespace-split."""
+    tokens = tiny_vocabulary(size)
     added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": True} for i, token in enumerate(SPECIAL_TOKENS)]
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
@@ -151,6 +153,12 @@ DEEPSEEK_V41_TINY = {
 }
 
 
+def engram_classes(size: int) -> int:
+    """The number of classes the Engram normalisation merges `tiny_vocabulary(size)` into (its
+    `engram_compressed_vocab_size`): the tiny checkpoint's, plus one per filler token past its 250."""
+    return DEEPSEEK_V41_TINY_TEXT["engram_compressed_vocab_size"] + size - DEEPSEEK_V41_TINY_TEXT["vocab_size"]
+
+
 def _block_shapes(c: dict, prefix: str, layer: int, experts: int) -> dict[str, tuple[int, ...]]:
     hidden, heads, head_dim, hc = c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["hc_mult"]
     inter, groups, o_rank = c["moe_intermediate_size"], c["o_groups"], c["o_lora_rank"]
@@ -208,12 +216,13 @@ def deepseek_v41_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     stages = c["num_nextn_predict_layers"]
     for stage in range(stages):
         shapes |= _block_shapes(c, f"mtp.{stage}", c["num_hidden_layers"] + stage, c["dspark_n_routed_experts"])
-    shapes |= {"mtp.0.main_proj.weight": (hidden, hidden * len(c["dspark_target_layer_ids"])),
-               "mtp.0.main_norm.weight": (hidden,),
-               f"mtp.{stages - 1}.norm.weight": (hidden,),
-               f"mtp.{stages - 1}.markov_head.embed.weight": (vocab, c["dspark_markov_rank"]),
-               f"mtp.{stages - 1}.markov_head.head.weight": (vocab, c["dspark_markov_rank"]),
-               f"mtp.{stages - 1}.confidence_head.proj.weight": (1, hidden + c["dspark_markov_rank"])}
+    if stages:
+        shapes |= {"mtp.0.main_proj.weight": (hidden, hidden * len(c["dspark_target_layer_ids"])),
+                   "mtp.0.main_norm.weight": (hidden,),
+                   f"mtp.{stages - 1}.norm.weight": (hidden,),
+                   f"mtp.{stages - 1}.markov_head.embed.weight": (vocab, c["dspark_markov_rank"]),
+                   f"mtp.{stages - 1}.markov_head.head.weight": (vocab, c["dspark_markov_rank"]),
+                   f"mtp.{stages - 1}.confidence_head.proj.weight": (1, hidden + c["dspark_markov_rank"])}
     shapes |= {f"image_{name}": (hidden,) for name in ("start", "end", "newline")}
     return shapes
 
@@ -236,15 +245,17 @@ def deepseek_v41_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return values * shape[-1] ** -0.5                # matrices: unit-variance outputs for unit inputs
 
 
-def write_deepseek_v41_tiny(folder: str | Path) -> None:
-    """Write the tiny DeepSeek-V4.1 checkpoint (config.json, model.safetensors, tokenizer.json) into `folder`."""
+def write_deepseek_v41_tiny(folder: str | Path, config: dict = DEEPSEEK_V41_TINY) -> None:
+    """Write the DeepSeek-V4.1 checkpoint of `config` (default: the tiny one) into `folder`: config.json,
+    model.safetensors of this module's random tensors, and the tokenizer.json of `tiny_vocabulary` at its vocab_size
+    (its Engram classes: `engram_classes`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: deepseek_v41_tensor(name, shape)
-               for name, shape in sorted(deepseek_v41_shapes(DEEPSEEK_V41_TINY).items())}
+    tensors = {name: deepseek_v41_tensor(name, shape) for name, shape in sorted(deepseek_v41_shapes(config).items())}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V41_TINY, indent=2, sort_keys=True) + "\n")
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(), indent=2, ensure_ascii=False) + "\n",
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer = tokenizer_json(config["text_config"]["vocab_size"])
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer, indent=2, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
 
 

@@ -132,14 +132,22 @@ class Indexer(nn.Module):
         keys = rotate(self.k_layernorm(self.linear_k(latents)), cos, sin)
         return fake_quant_fp4(keys, 32, False, "the indexer keys") if self.fake_quant else keys
 
-    def forward(self, x, q_residual, keys, cos, sin) -> torch.Tensor:
-        """Scores [B, S, T] (fp32), visibility not yet applied."""
+    def forward(self, x, q_residual, keys, cos, sin, visible: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+        """Scores [B, S, T] (fp32) of the queries x [B, S, hidden] against the published keys [B, T, d]; -inf at the
+        latents j >= visible [S, 1] or [B, S, 1] (not complete at the query). `kernel` (the fast attention): on a
+        GPU, DeepSeek-V4's Triton kernel, which sums the heads in registers instead of writing [B, S, h, T]."""
         queries = rotate(self.linear_q_up_proj(q_residual).unflatten(-1, (self.num_heads, self.head_dim)), cos, sin)
         if self.fake_quant:
             queries = fake_quant_fp4(queries, 32, False, "the indexer queries")
-        weights = self.linear_weights(x).float() * (self.head_dim**-0.5 * self.num_heads**-0.5)
-        scores = torch.einsum("bshd,btd->bsht", queries.float(), keys.float()).relu()
-        return (scores * weights[..., None]).sum(dim=2)
+        scaling = self.head_dim**-0.5 * self.num_heads**-0.5
+        if kernel and queries.is_cuda:
+            from modelzoo.deepseek_v4.model.index_kernels import masked_index_scores
+
+            complete = visible.squeeze(-1).expand(queries.shape[:2])
+            return masked_index_scores(queries, keys.to(queries.dtype), self.linear_weights(x), complete, 1.0, scaling)
+        weights = self.linear_weights(x).float() * scaling
+        scores = (torch.einsum("bshd,btd->bsht", queries.float(), keys.float()).relu() * weights[..., None]).sum(dim=2)
+        return scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
 
 
 def sink_attention(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
@@ -326,9 +334,8 @@ class DeepseekV41Attention(nn.Module):
         ratio, candidates = self.ratio, state.candidates
         positions = query_positions(x, shares)
         cos, sin = self.compress_rotary(positions, x.dtype)
-        scores = self.indexer(x, q_residual, state.index_keys, cos, sin)
         visible = (positions[..., None] + 1) // ratio  # latent j < (t + 1) // r
-        scores = scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
+        scores = self.indexer(x, q_residual, state.index_keys, cos, sin, visible, kernel=self.attention == "fast")
         if self.is_candidate_source:
             candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
         elif self.uses_candidates and candidates is not None:
