@@ -66,7 +66,9 @@ def run_in_triton_interpreter():
     pytest.importorskip("triton")
 
     def run(test_file: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        # the repository and tests/ on the path, as pytest puts them there: the file's imports resolve alike
+        path = os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH"))))
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
         done = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run

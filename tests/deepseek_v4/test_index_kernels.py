@@ -81,10 +81,10 @@ def check_picks(device: str, dtype: torch.dtype, tolerance: float) -> float:
     positions = torch.arange(seq_len, device=device).expand(batch, -1)
     stub = SimpleNamespace(ratio=ratio, topk=topk, softmax_scale=head_dim**-0.5, weights_scaling=heads**-0.5)
     # chunks of 128 queries: the last one partial
-    with mock.patch.object(indexer, "_index_kernels", lambda _: index_kernels), \
+    with mock.patch.object(indexer, "index_kernels_for", lambda _: index_kernels), \
             mock.patch.object(indexer, "KERNEL_SCORE_BUDGET", batch * entries * 128):
         kernel_picks = Indexer.top_k(stub, q, keys, weights, positions)
-    with mock.patch.object(indexer, "_index_kernels", lambda _: None):
+    with mock.patch.object(indexer, "index_kernels_for", lambda _: None):
         plain_picks = Indexer.top_k(stub, q, keys, weights, positions)
     expected, visible = oracle(q, keys, weights, (positions + 1) // ratio)
     top = expected.topk(topk + 1, dim=-1).values

@@ -52,8 +52,8 @@ def _both_paths(records: list, original):
     return core
 
 
-@pytest.fixture(scope="module")
-def records():
+def layer_records() -> dict[str, list]:
+    """Per form, each attention layer's (layer, {path: (output, input grads...)}) from one forward of the model."""
     device = runtime.device()
     rows = random_rows(2, 64, seed=0).to(device)
     batch = pack_sequences([random_rows(1, length, seed=length)[0].tolist() for length in LENGTHS])
@@ -71,8 +71,7 @@ def records():
     return recorded
 
 
-@pytest.mark.parametrize("form", ["rows", "packed"])
-def test_every_layer_attends_alike_on_both_paths(records, form):
+def check(records: dict[str, list], form: str) -> None:
     layers = records[form]
     assert [layer for layer, _ in layers] == list(range(10))
     for layer, results in layers:
@@ -86,6 +85,22 @@ def test_every_layer_attends_alike_on_both_paths(records, form):
             assert (fast - exact).abs().max().item() <= LAYER_TOLERANCE * scale, (form, layer, name)
 
 
+@pytest.fixture(scope="module")
+def records():
+    return layer_records()
+
+
+@pytest.mark.parametrize("form", ["rows", "packed"])
+def test_every_layer_attends_alike_on_both_paths(records, form):
+    check(records, form)
+
+
+def test_the_kernels_attend_alike_in_triton_interpreter(run_in_triton_interpreter):
+    """CPU tensors through Triton's interpreter: the fast path's picks through V4's sparse attention kernels and the
+    index sources' scores through its masked-index kernel, as on a GPU."""
+    run_in_triton_interpreter(__file__)
+
+
 def test_picks_are_the_masks_latents():
     selected = torch.zeros(1, 3, 6, dtype=torch.bool)
     selected[0, 1, [4, 1]] = True
@@ -94,3 +109,15 @@ def test_picks_are_the_masks_latents():
     assert picks.shape == (1, 3, 3)
     assert [sorted(row) for row in picks[0].tolist()] == [[-1, -1, -1], [-1, 1, 4], [0, 2, 5]]
     assert picked_latents(selected, 8).shape == (1, 3, 6)  # never wider than the latents
+
+
+if __name__ == "__main__":  # under TRITON_INTERPRET=1 (the test above): the kernels on CPU tensors
+    from unittest import mock
+
+    from modelzoo.deepseek_v4.model import index_kernels, indexer, sparse_attention_kernels, window_attention
+
+    with mock.patch.object(window_attention, "_sparse_kernels", lambda q, kv: sparse_attention_kernels), \
+            mock.patch.object(indexer, "index_kernels_for", lambda q: index_kernels):
+        recorded = layer_records()
+    for form in recorded:
+        check(recorded, form)

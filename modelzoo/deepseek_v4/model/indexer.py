@@ -58,7 +58,7 @@ SCORE_BUDGET = 2**28          # per-head index scores [B, chunk, h, E] of one ch
 KERNEL_SCORE_BUDGET = 2**28   # masked scores [B, chunk, E] of one chunk on the kernel path (1 GiB in fp32)
 
 
-def _index_kernels(q: torch.Tensor):
+def index_kernels_for(q: torch.Tensor):
     """The Triton kernel's module where it applies (CUDA tensors, Triton installed), else None."""
     if not q.is_cuda or importlib.util.find_spec("triton") is None:
         return None
@@ -152,7 +152,7 @@ class Indexer(Decider):
         entries = compressed.shape[1]
         if entries == 0:
             return torch.empty(batch, seq_len, 0, dtype=torch.long, device=q.device)
-        kernels = _index_kernels(q)
+        kernels = index_kernels_for(q)
         if kernels is not None:
             rows = max(1, KERNEL_SCORE_BUDGET // (batch * entries))
         else:

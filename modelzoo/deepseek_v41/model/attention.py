@@ -41,6 +41,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
+from modelzoo.deepseek_v4.model import indexer as v4_indexer
 from modelzoo.deepseek_v4.model.attention import GroupedOutputProjection
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
@@ -140,11 +141,11 @@ class Indexer(nn.Module):
         if self.fake_quant:
             queries = fake_quant_fp4(queries, 32, False, "the indexer queries")
         scaling = self.head_dim**-0.5 * self.num_heads**-0.5
-        if kernel and queries.is_cuda:
-            from modelzoo.deepseek_v4.model.index_kernels import masked_index_scores
-
+        kernels = v4_indexer.index_kernels_for(queries) if kernel else None
+        if kernels is not None:
             complete = visible.squeeze(-1).expand(queries.shape[:2])
-            return masked_index_scores(queries, keys.to(queries.dtype), self.linear_weights(x), complete, 1.0, scaling)
+            return kernels.masked_index_scores(queries, keys.to(queries.dtype), self.linear_weights(x), complete, 1.0,
+                                               scaling)
         weights = self.linear_weights(x).float() * scaling
         scores = (torch.einsum("bshd,btd->bsht", queries.float(), keys.float()).relu() * weights[..., None]).sum(dim=2)
         return scores.masked_fill(torch.arange(scores.shape[-1], device=x.device) >= visible, float("-inf"))
