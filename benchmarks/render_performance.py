@@ -231,20 +231,36 @@ entries (the window, the index top-k, the compressed entries). transformers' eag
 ({theirs_memory[4096]['peak_memory_gib']:.1f} -> {theirs_memory[6144]['peak_memory_gib']:.1f} GiB on `large`), and at
 8192 tokens it does not fit the H200's {theirs_memory[8192]['gpu_memory_gib']:.1f} GiB.
 
-What limits it, and what would move it:
-- The GEMMs. The MoE's grouped GEMMs (`torch._grouped_mm`) and the projections are the largest items of the step.
-  `small`'s matrices are half as wide as `large`'s, and its MFU is lower; more tokens per step (more rows per
-  expert) would move it.
-- Kernel count: each step runs thousands of small kernels (norms, RoPE, the hyper-connections' map, mix and
-  Sinkhorn, the router), each a pass over its tensors; CUDA graphs remove their host launches, not their passes.
-- The hyper-connections' Triton kernels (`modelzoo/deepseek_v4/model/hc_kernels.py`) are bound by memory bandwidth
-  on the [tokens, 4, hidden] streams.
-- The sliding and HCA layers' attention scores are fp32 blocks written and read back (`model/window_attention.py`);
-  a flash-style kernel at head_dim 512 would not write them.
-- Not measured on GPUs: expert parallelism above 1 (the all-to-all dispatcher is tested on CPU ranks), and CUDA
-  graphs at EP > 1 (refused).
-- `python3 benchmarks/bench_deepseek_v4.py --profile --profile-steps 3 --paths fast+graphs` prints the step's kernels
-  grouped by input shape and source line."""
+What limits it: the MoE's grouped GEMMs and the projections (the largest items; `small`'s half-width matrices run at
+lower MFU); thousands of small kernels (norms, RoPE, the hyper-connections, the router), each a pass over its tensors
+(CUDA graphs remove their launches, not their passes); the hyper-connections' Triton kernels, bound by memory
+bandwidth; the sliding and HCA layers' fp32 score blocks, written and read back (`model/window_attention.py`). Not
+measured on GPUs: EP > 1 (CUDA graphs refused there). `--profile --profile-steps 3` prints the step's kernels."""
+
+
+def deepseek_v41(res: Results) -> str:
+    short, long = "deepseek_v41_large_seq4096_h100", "deepseek_v41_large_seq16384_full_recompute_h100"
+    rows, memory = [], {}
+    for name, recompute in ((short, "none"), (long, "full")):
+        run = res.run(name)
+        reference = next((r for r in run["results"] if r["model"].startswith("reference")), None)
+        ours = memory[name] = result(run, "fast")
+        rows.append([f"{run['seq']}", recompute, "not run" if reference is None else out_of_memory(reference)
+                     if reference.get("out_of_memory") else ms(reference["ms_per_step"]), ms(ours["ms_per_step"]),
+                     f"{ours['tokens_per_s']:,.0f}", f"{ours['tflops_lower_bound']:.0f}",
+                     f"{pct(ours['mfu_lower_bound'])} ({run['peak_tflops']:.0f})", f"{ours['peak_memory_gib']:.1f}",
+                     res.cite(name, run)])
+    header = ["`--seq`", "recompute", "our reference (eager), ms/step", "ours `fast`, ms/step", "tokens/s",
+              "TFLOP/s (>=)", "MFU (>=), measured rate", "peak reserved GiB", "source"]
+    return f"""## DeepSeek-V4.1 training step
+`python3 benchmarks/bench_deepseek_v41.py --config large --seq <S> --paths fast [--no-hf --recompute full]`, one H100;
+`large` is 1.16B active, the release's 40 layers of ratios and roles scaled to 12 (the script's docstring).
+
+{table(header, rows)}
+
+Our reference's eager attention materialises `[heads, S, S + T]` scores and does not fit at 4096 tokens, so the
+ratio to it is not measured. Ours holds {memory[short]['peak_memory_gib']:.0f} GiB at 4096 tokens without recompute: the
+indexer's scores and the top-k and candidate masks are still [S, T] (docs/deepseek_v41.md, "The fast attention")."""
 
 
 def deepseek_v4_long(res: Results) -> str:
@@ -513,13 +529,13 @@ recompute past {loop_none[0]:,} tokens. Not probed: our Llama past {llama_full[0
 between {loop_full[0]:,} and {loop_full[2]:,}, and DeepSeek-V4 with full recompute on an H200."""
 
 
-def context_parallel() -> str:
-    return """## Context parallelism across GPUs (weak scaling)
-No result file. `python3 benchmarks/bench_context_parallel.py --model <loopcoder|deepseek_v4> --seq <S> --cp 2` times
-one GPU on a row of S tokens against `--cp` GPUs (NCCL) on a row of `--cp` x S tokens, in one run, and reports the
-tokens each GPU trains per second (each rank runs a trainer's call on its share of the row, Megatron's 2 x CP chunk
-layout; attention over the longer row costs each GPU more per token, and the efficiency it prints includes that). The
-same code runs on CPU ranks (gloo) in `tests/test_benchmarks.py`."""
+def without_result_files() -> str:
+    return """## Benchmarks without a result file
+- `python3 benchmarks/bench_context_parallel.py --model <loopcoder|deepseek_v4> --seq <S> --cp 2` (weak scaling): one
+  GPU on a row of S tokens against `--cp` GPUs (NCCL) on `--cp` x S tokens, in one run, as tokens each GPU trains per
+  second (a trainer's call on each rank's share, Megatron's 2 x CP chunks); CPU ranks (gloo) run it in the tests.
+- `python3 benchmarks/bench_hyper_connection.py [--profile]`: one DeepSeek-V4 layer's hyper-connections
+  ([1, 4096, 4, 2048] bf16, forward + backward, a CUDA graph) as the model's Triton kernels and as compiled torch ops."""
 
 
 def packed(res: Results) -> str:
@@ -683,13 +699,6 @@ What limits the two slow rows:
   distributed checkpointing; the conversion of the tiny checkpoint itself is a small part of it."""
 
 
-def hyper_connection() -> str:
-    return """## Hyper-connection kernels (microbenchmark)
-No result file: `python3 benchmarks/bench_hyper_connection.py [--profile]` prints the time of one DeepSeek-V4 layer's
-hyper-connections ([1, 4096, 4, 2048] bf16, forward + backward, from a CUDA graph) as the model's Triton kernels and
-as the same functions composed from torch ops and compiled."""
-
-
 def provenance(res: Results) -> str:
     rows = []
     for name, number in res.numbers.items():
@@ -718,8 +727,8 @@ Rendered by `python3 benchmarks/render_performance.py` from the result files in 
 benchmark, configuration and GPU, each a list of runs; `benchmarks/harness.py`): edit the script's prose or rerun a
 benchmark, not this page. Every figure is read from a result file; each table cites its runs as [n], and the
 provenance table at the end gives each run's command, commit, date, machine and software versions.""",
-        method(res), dense(res), deepseek_v4(res), deepseek_v4_long(res), loopcoder_long(res), longest(res),
-        context_parallel(), packed(res), conversion(res), cli_startup(res), hyper_connection(), provenance(res)]
+        method(res), dense(res), deepseek_v4(res), deepseek_v4_long(res), deepseek_v41(res), loopcoder_long(res),
+        longest(res), packed(res), conversion(res), cli_startup(res), without_result_files(), provenance(res)]
     return reflow("\n\n".join(sections)) + "\n"
 
 

@@ -68,7 +68,8 @@ def run_in_triton_interpreter():
     def run(test_file: str) -> None:
         # the repository and tests/ on the path, as pytest puts them there: the file's imports resolve alike
         path = os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH"))))
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+        # the interpreter runs kernels on CPU tensors: no GPU, also where one is present (models go to the GPU)
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
         done = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
