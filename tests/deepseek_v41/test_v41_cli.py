@@ -29,8 +29,9 @@ def test_cli_round_trip_is_bit_exact(tmp_path, import_layout, export_layout):
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (V41_TINY / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--tp", "2", "--sp"], ["--ep", "2"]],
-                         ids=["tp1", "tp2", "tp2-sp", "ep2"])
+@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--tp", "2", "--sp"], ["--ep", "2"], ["--attention", "fast"],
+                                    ["--tp", "2", "--sp", "--attention", "fast"]],
+                         ids=["tp1", "tp2", "tp2-sp", "ep2", "fast", "tp2-sp-fast"])
 def test_cli_parity_passes(layout, capsys):
     assert main(["parity", str(V41_TINY), *layout, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
