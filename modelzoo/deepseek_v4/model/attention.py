@@ -28,7 +28,7 @@ from modelzoo.layers.context_parallel import gather_in_row_order, gather_keys
 from modelzoo.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Args
 from modelzoo.deepseek_v4.model.compressor import CompressedVisibility, CSACompressor, HCACompressor, runs_of_sequence
 from modelzoo.deepseek_v4.model.indexer import Indexer
-from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
+from modelzoo.deepseek_v4.model.window_attention import QueryRun, attend_runs, window_sink_attention
 from modelzoo.deepseek_v4.model.layers import (
     ReplicatedLinear,
     RMSNorm,
@@ -161,39 +161,24 @@ class DeepseekV4Attention(nn.Module):
 
         Under context parallelism kv holds the whole rows (every rank's tokens in row order, then the entries) and
         a sequence's queries here are runs of consecutive positions (its chunks on this rank): each run attends
-        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence.
-
-        Every run's queries and keys are gathered by one index_select each and the outputs placed by one
-        index_copy: slicing them run by run would make each run's backward write a gradient the size of the whole
-        batch (a packed row of 16 sequences spent more time on those than on its attention)."""
+        with the window keys before it (the halo, other ranks' tokens) and the entries of its sequence
+        (`attend_runs`: one gather of every run's queries and keys, one placement of the outputs)."""
         whole = layout.whole_rows()
-        batch, seq_len, keys_len = q.shape[0], q.shape[1], whole.shape[1]
-        kv_len = kv.shape[1]
+        seq_len, keys_len, kv_len = q.shape[1], whole.shape[1], kv.shape[1]
         spans = compressed.windows.per_sequence(whole) if compressed is not None else None
-        runs, query_index, key_index = [], [], []
+        runs = []
         for number, (row, start, length) in enumerate(whole.sequences):
             for first, position, count in runs_of_sequence(layout, row, start, length):
                 halo = min(position, self.sliding_window - 1)
-                query_index.append(torch.arange(count) + row * seq_len + first)
-                key_index.append(torch.arange(start + position - halo, start + position + count) + row * kv_len)
-                picks, ratio, keys = None, None, count + halo
+                keys = torch.arange(start + position - halo, start + position + count)
+                picks, ratio = None, None
                 if compressed is not None:
                     first_entry, entries = spans[number]
-                    key_index.append(torch.arange(entries) + row * kv_len + keys_len + first_entry)
+                    keys = torch.cat((keys, torch.arange(entries) + keys_len + first_entry))
                     picks, ratio = compressed.of_sequence(row, first, count, first_entry)
-                    keys += entries
-                runs.append((count, keys, picks, ratio, position, halo))
-        if not runs:
-            return torch.zeros_like(q)
-        query_index = torch.cat(query_index).to(q.device, non_blocking=True)
-        key_index = torch.cat(key_index).to(q.device, non_blocking=True)
-        queries = q.flatten(0, 1).index_select(0, query_index).split([run[0] for run in runs])
-        keys = kv.flatten(0, 1).index_select(0, key_index).split([run[1] for run in runs])
-        outputs = [window_sink_attention(run_queries[None], run_keys[None], self.sinks, self.scaling,
-                                         self.sliding_window, picks, ratio, position, halo)[0]
-                   for run_queries, run_keys, (_, _, picks, ratio, position, halo) in zip(queries, keys, runs)]
-        out = q.new_zeros(batch * seq_len, *q.shape[2:]).index_copy(0, query_index, torch.cat(outputs))
-        return out.view_as(q)
+                runs.append(QueryRun(torch.arange(count) + row * seq_len + first, keys + row * kv_len, picks, ratio,
+                                     position, halo))
+        return attend_runs(q, kv, runs, self.sinks, self.scaling, self.sliding_window)
 
     def _core(self, q: torch.Tensor, kv: torch.Tensor, hidden_states: torch.Tensor, q_residual: torch.Tensor,
               position_ids: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

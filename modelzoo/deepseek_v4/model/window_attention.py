@@ -29,6 +29,8 @@ softmax([s, sink]) . v, and d(sink) = -sum over queries of p_sink * (dO . O).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from modelzoo.layers.attention import in_window
@@ -255,3 +257,37 @@ def window_sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor
     out = _WindowSinkAttention.apply(q.contiguous(), window_kv, compressed, picks, sinks, scale, window, ratio,
                                      first_position, halo)
     return out[:, :seq_len]
+
+
+@dataclasses.dataclass
+class QueryRun:
+    """A run of consecutive queries of one sequence, for `attend_runs`: their rows of q.flatten(0, 1), the rows of
+    kv.flatten(0, 1) they attend (the halo and window keys, then their sequence's compressed entries), and
+    `window_sink_attention`'s picks [1, n, k] (ids into those entries), ratio, first position and halo."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    picks: torch.Tensor | None
+    ratio: int | None
+    position: int
+    halo: int
+
+
+def attend_runs(q: torch.Tensor, kv: torch.Tensor, runs: list[QueryRun], sinks: torch.Tensor, scale: float,
+                window: int) -> torch.Tensor:
+    """`window_sink_attention` of each run of queries over its own keys: q [B, S, h, D], kv [B, K, D] ->
+    [B, S, h, D], zeros at queries of no run (padding). Every run's queries and keys are gathered by one
+    index_select each and the outputs placed by one index_copy: slicing them run by run would make each run's
+    backward write a gradient the size of the whole batch (a packed row of 16 sequences spent more time on those
+    than on its attention)."""
+    if not runs:
+        return torch.zeros_like(q)
+    query_index = torch.cat([run.queries for run in runs]).to(q.device, non_blocking=True)
+    key_index = torch.cat([run.keys for run in runs]).to(q.device, non_blocking=True)
+    queries = q.flatten(0, 1).index_select(0, query_index).split([len(run.queries) for run in runs])
+    keys = kv.flatten(0, 1).index_select(0, key_index).split([len(run.keys) for run in runs])
+    outputs = [window_sink_attention(run_queries[None], run_keys[None], sinks, scale, window, run.picks, run.ratio,
+                                     run.position, run.halo)[0]
+               for run_queries, run_keys, run in zip(queries, keys, runs)]
+    out = q.new_zeros(q.shape[0] * q.shape[1], *q.shape[2:]).index_copy(0, query_index, torch.cat(outputs))
+    return out.view_as(q)

@@ -33,7 +33,6 @@ forward (`kept_for_recompute`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +50,7 @@ from modelzoo.deepseek_v4.model.layers import (
     fp32_param,
     mark_tensor_parallel,
 )
-from modelzoo.deepseek_v4.model.window_attention import window_sink_attention
+from modelzoo.deepseek_v4.model.window_attention import QueryRun, attend_runs, window_sink_attention
 from modelzoo.deepseek_v41.config import DeepseekV41Args
 from modelzoo.deepseek_v41.model.context_parallel import SequenceShares
 from modelzoo.deepseek_v41.hf_model import (
@@ -282,30 +281,21 @@ class DeepseekV41Attention(nn.Module):
         kv = keys if latents is None else torch.cat((keys, latents), dim=1)
         # K = V is computed on every rank but read only by this rank's heads: sum its gradients
         kv = tensor_parallel.copy_to_tensor_model_parallel_region(kv)
-        attention = functools.partial(window_sink_attention, sinks=self.sinks, scale=self.scaling,
-                                      window=self.sliding_window, ratio=ratio if latents is not None else None)
+        ratio = ratio if latents is not None else None
         if shares is None:
-            return attention(queries, kv, picks=picks)
+            return window_sink_attention(queries, kv, self.sinks, self.scaling, self.sliding_window, picks, ratio)
         # this rank's queries of a sequence are runs of consecutive positions: each run attends with the window keys
-        # before it (other ranks' tokens: its halo) and its sequence's latents. One gather of every run's queries
-        # and keys and one placement of the outputs (per-run slices would each write a full-size gradient).
+        # before it (other ranks' tokens: its halo) and its sequence's latents
         seq_len, kv_len, latents_len = queries.shape[1], kv.shape[1], kv.shape[1] - keys.shape[1]
-        runs, query_index, key_index = [], [], []
+        runs = []
         for row, slot, position, count in shares.runs:
             halo = min(position, self.sliding_window - 1)
-            query_index.append(torch.arange(count) + row * seq_len + slot)
-            key_index.append(torch.arange(position - halo, position + count) + row * kv_len)
-            key_index.append(torch.arange(latents_len) + row * kv_len + keys.shape[1])
-            runs.append((row, slot, position, count, halo))
-        query_index = torch.cat(query_index).to(queries.device, non_blocking=True)
-        key_index = torch.cat(key_index).to(queries.device, non_blocking=True)
-        run_queries = queries.flatten(0, 1).index_select(0, query_index).split([run[3] for run in runs])
-        run_keys = kv.flatten(0, 1).index_select(0, key_index).split([run[3] + run[4] + latents_len for run in runs])
-        outputs = [attention(q[None], k[None], picks=None if picks is None else picks[row:row + 1, slot:slot + count],
-                             first_position=position, halo=halo)[0]
-                   for q, k, (row, slot, position, count, halo) in zip(run_queries, run_keys, runs)]
-        out = queries.new_zeros(queries.shape[0] * seq_len, *queries.shape[2:])
-        return out.index_copy(0, query_index, torch.cat(outputs)).view_as(queries)
+            run_keys = torch.cat((torch.arange(position - halo, position + count),
+                                  torch.arange(latents_len) + keys.shape[1]))
+            runs.append(QueryRun(torch.arange(count) + row * seq_len + slot, run_keys + row * kv_len,
+                                 None if picks is None else picks[row:row + 1, slot:slot + count], ratio, position,
+                                 halo))
+        return attend_runs(queries, kv, runs, self.sinks, self.scaling, self.sliding_window)
 
     def compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
                         shares: SequenceShares | None = None):
