@@ -249,19 +249,18 @@ def print_results(results: list[dict], config_name: str, parameters: float, peak
               f"{r['loss']:>9.4f}{r['first_step_s']:>11.1f}")
 
 
-def main() -> None:
+def step_arguments(configs: dict, results_name: str, baseline: str,
+                   recompute_layers_note: str = "") -> argparse.ArgumentParser:
+    """The options of the DeepSeek training-step benchmarks (this one and bench_deepseek_v41.py) but `--paths`:
+    `configs` the model configs by name, `results_name` names the default result file, `baseline` the model timed
+    against ours."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--config", choices=sorted(configs), default="small")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--out", default=None,
-                        help="default: benchmarks/results/deepseek_v4_<config>_seq<seq>_<gpu>.json")
+                        help=f"default: benchmarks/results/{results_name}_<config>_seq<seq>_<gpu>.json")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first, before the timed ones")
-    parser.add_argument("--paths", default="exact,fast",
-                        help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
-                             "the decoder layers as CUDA graphs, '+dense-csa' runs the CSA attention as dense "
-                             "blocks (the baseline of its kernels), '+keep-attention' keeps the attention's output across a "
-                             "full recompute")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, profile --profile-steps steps of our model on the first of --paths and "
                              "print the top ops")
@@ -270,9 +269,19 @@ def main() -> None:
                         help="activation recompute of our model: full (every layer), selective (core_attn, layernorm, "
                              "moe), selective-attention (core_attn, layernorm) or selective-moe (moe, layernorm)")
     parser.add_argument("--recompute-layers", type=int, default=None,
-                        help="with --recompute full: only the first N layers (recompute_method='block'); "
-                             "transformers' model is skipped")
-    parser.add_argument("--no-hf", action="store_true", help="skip transformers' model (e.g. where it cannot fit)")
+                        help="with --recompute full: only the first N layers (recompute_method='block')"
+                             + recompute_layers_note)
+    parser.add_argument("--no-hf", action="store_true", help=f"skip {baseline} (e.g. where it cannot fit)")
+    return parser
+
+
+def main() -> None:
+    parser = step_arguments(CONFIGS, "deepseek_v4", "transformers' model", "; transformers' model is skipped")
+    parser.add_argument("--paths", default="exact,fast",
+                        help="our attention paths to time, comma-separated; '+graphs' (e.g. fast+graphs) replays "
+                             "the decoder layers as CUDA graphs, '+dense-csa' runs the CSA attention as dense "
+                             "blocks (the baseline of its kernels), '+keep-attention' keeps the attention's output across a "
+                             "full recompute")
     args = parser.parse_args()
     check_recompute_layers(parser, args)
     with scratch_folder("deepseek-v4-bench") as folder:

@@ -38,14 +38,13 @@ matmuls are left out, so it is a lower bound.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 import torch
 
 from bench_deepseek_v4 import (BATCH, RECOMPUTE, active_parameters as v4_active_parameters, our_model, print_results,
-                               profile_our_model, timed_result, training_flops)
+                               profile_our_model, step_arguments, timed_result, training_flops)
 from harness import (check_recompute_layers, hf_step, matmul_peak_tflops, megatron_step, random_tokens,
                      recompute_settings, results_file, run_record, scratch_folder, write_run)
 
@@ -112,25 +111,9 @@ def our_step(folder: Path, ids: torch.Tensor, path: str, recompute: dict, dtype:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--out", default=None,
-                        help="default: benchmarks/results/deepseek_v41_<config>_seq<seq>_<gpu>.json")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first, before the timed ones")
+    parser = step_arguments(CONFIGS, "deepseek_v41", "the reference")
     parser.add_argument("--paths", default="exact,fast", type=lambda names: list(filter(None, names.split(","))),
                         help=f"our attention paths to time, comma-separated: {PATHS}")
-    parser.add_argument("--profile", action="store_true",
-                        help="instead of timing, profile --profile-steps steps of our model on the first of --paths "
-                             "and print the top ops")
-    parser.add_argument("--profile-steps", type=int, default=1)
-    parser.add_argument("--recompute", choices=sorted(RECOMPUTE), default="none",
-                        help="activation recompute of our model: full (every layer), selective (core_attn, layernorm, "
-                             "moe), selective-attention (core_attn, layernorm) or selective-moe (moe, layernorm)")
-    parser.add_argument("--recompute-layers", type=int, default=None,
-                        help="with --recompute full: only the first N layers (recompute_method='block')")
-    parser.add_argument("--no-hf", action="store_true", help="skip the reference (e.g. where it cannot fit)")
     parser.add_argument("--fake-quant", action="store_true",
                         help="both models round the K/V and the indexer's queries and keys as the release stores them")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
