@@ -5,9 +5,11 @@
     python benchmarks/bench_longest_fit.py deepseek_v4 ours --recompute full --start 32768
     python benchmarks/bench_longest_fit.py dense megatron-loopcoder --recompute full --recompute-layers 13 --start 65536
     python benchmarks/bench_longest_fit.py deepseek_v4 transformers
+    python benchmarks/bench_longest_fit.py deepseek_v41 ours --recompute full --start 65536
 
 `dense` models are bench_dense.py's (`--only` names); `deepseek_v4` runs bench_deepseek_v4.py's `--config`
-(default large) with our fast path (`ours`) or transformers' eager model (`transformers`). Each probe is a fresh
+(default large) with our fast path (`ours`) or transformers' eager model (`transformers`); `deepseek_v41` likewise
+bench_deepseek_v41.py's, `transformers` being our reference (eager). Each probe is a fresh
 process of that script (an out-of-memory error leaves the allocator's pools behind) timing one step after one
 untimed step. Lengths double from `--start` until one does not fit or `--max` is reached, then `--refine` bisection
 steps between the longest that fit and the shortest that did not, on multiples of `--granularity`. Adds its run,
@@ -68,7 +70,7 @@ def probe_command(args, seq: int, out: Path) -> list[str]:
     if args.bench == "dense":
         return [sys.executable, str(HERE / "bench_dense.py"), "--batch", "1", "--only", args.model, *common]
     paths = ["--paths", "fast", "--no-hf"] if args.model == "ours" else ["--paths", ""]
-    return [sys.executable, str(HERE / "bench_deepseek_v4.py"), "--config", args.config, *paths, *common]
+    return [sys.executable, str(HERE / f"bench_{args.bench}.py"), "--config", args.config, *paths, *common]
 
 
 def run_probe(command: list[str], scratch: str, timeout: float) -> tuple[int, str]:
@@ -109,12 +111,13 @@ def probe(args, seq: int, probes: list[dict]) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("bench", choices=["dense", "deepseek_v4"])
-    parser.add_argument("model", help="dense: a bench_dense.py model name; deepseek_v4: ours or transformers")
+    parser.add_argument("bench", choices=["dense", "deepseek_v4", "deepseek_v41"])
+    parser.add_argument("model", help="dense: a bench_dense.py model name; deepseek_v4 / deepseek_v41: ours or "
+                                      "transformers")
     parser.add_argument("--recompute", default="none", help="the benchmark script's --recompute")
     parser.add_argument("--recompute-layers", type=int, default=None,
                         help="with --recompute full: only the first N layers (the script's --recompute-layers)")
-    parser.add_argument("--config", default="large", help="deepseek_v4: bench_deepseek_v4.py's --config")
+    parser.add_argument("--config", default="large", help="deepseek_v4 / deepseek_v41: the script's --config")
     parser.add_argument("--start", type=int, default=4096)
     parser.add_argument("--max", type=int, default=262144)
     parser.add_argument("--refine", type=int, default=2, help="bisection steps after the doubling")
@@ -122,8 +125,8 @@ def main() -> None:
     parser.add_argument("--probe-timeout", type=int, default=900, help="seconds one probe may take")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.bench == "deepseek_v4" and args.model not in ("ours", "transformers"):
-        parser.error("deepseek_v4 models: ours or transformers")
+    if args.bench != "dense" and args.model not in ("ours", "transformers"):
+        parser.error(f"{args.bench} models: ours or transformers")
     if args.model in ("transformers", "hf-llama-sdpa", "hf-loopcoder") and (
             args.recompute not in ("none", "full") or args.recompute_layers is not None):
         parser.error(f"transformers' models recompute fully (gradient checkpointing) or not at all, not "

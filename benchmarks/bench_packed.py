@@ -1,6 +1,6 @@
 """Packed sequences on one GPU: a THD row of variable-length samples against the same tokens unpacked or padded.
 
-    python benchmarks/bench_packed.py [--models loopcoder,deepseek_v4] [--steps 2] [--out FILE]
+    python benchmarks/bench_packed.py [--models loopcoder,deepseek_v4,deepseek_v41] [--steps 2] [--out FILE]
 
 16 samples with lengths log-uniform in [256, 16384] (seed 10, the first seed whose draws total about 64k tokens:
 64,793 tokens, 623 to 15,389 per sample), bf16, forward + backward of the
@@ -12,8 +12,9 @@ summed per-token loss (the GPTModel call with `labels`), fast attention, three w
 each timed as the mean of `--steps` steps after one warm-up step, with torch.compile's caches emptied before it (a
 form's kernels compile for its shapes, not fall back to eager past the recompile limit another form used up). The figure is real (sample) tokens per second.
 Models: LoopCoder at the dense benchmark's config (hidden 2048, 16 layers, both loops) with full activation
-recompute (one layer per checkpoint: at 64k tokens it does not fit without), and DeepSeek-V4 at the `small`
-config of bench_deepseek_v4.py (release attention ratios), no recompute. Peak memory is `max_memory_reserved`.
+recompute (one layer per checkpoint: at 64k tokens it does not fit without), DeepSeek-V4 at the `small`
+config of bench_deepseek_v4.py (release attention ratios) and DeepSeek-V4.1 at the `small` config of
+bench_deepseek_v41.py, no recompute. Peak memory is `max_memory_reserved`.
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ def build(name: str):
         provider = build_provider(config, params_dtype=torch.bfloat16, attention="fast",
                                   recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         return provider, provider.provide()
-    from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny
-
-    with scratch_folder("deepseek-v4-bench") as folder:  # the model holds its weights once loaded
-        write_deepseek_v4_tiny(folder, model_config("small", 0))
+    if name == "deepseek_v41":
+        from bench_deepseek_v41 import model_config as checkpoint_config
+        from tiny_checkpoints.deepseek_v41_tiny import write_deepseek_v41_tiny as write
+    else:
+        from tiny_checkpoints.deepseek_v4_tiny import write_deepseek_v4_tiny as write
+        checkpoint_config = model_config
+    with scratch_folder(f"{name}-bench") as folder:  # the model holds its weights once loaded
+        write(folder, checkpoint_config("small", 0))
         return our_model(folder, "fast")
 
 
@@ -125,7 +130,7 @@ def measure(step, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="loopcoder,deepseek_v4")
+    parser.add_argument("--models", default="loopcoder,deepseek_v4,deepseek_v41")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--padded-micro-batch", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/packed_<gpu>.json")

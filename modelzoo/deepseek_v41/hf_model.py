@@ -247,19 +247,22 @@ def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, finite)
 
 
-def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int):
-    """First level of the two-level top-k: the `topk_blocks` best blocks of `block_size` latents per query
-    (block score = its best latent). The block of the query's newest visible latent is always kept: it is partly
-    filled and holds the most recent tokens. scores: [B, S, T] with -inf where not visible; visible: [S, 1] counts
-    of visible latents. Returns a [B, S, T] bool mask."""
-    width = scores.shape[-1]
-    block_scores = F.pad(scores, (0, -width % block_size), value=float("-inf"))
+def candidate_block_scores(scores: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each block of `block_size` latents scored by its best latent, +inf for the block of the query's newest visible
+    latent (always kept: it is partly filled and holds the most recent tokens). scores: [B, S, T] with -inf where not
+    visible; visible: [S, 1] counts of visible latents. Returns [B, S, ceil(T / block_size)]."""
+    block_scores = F.pad(scores, (0, -scores.shape[-1] % block_size), value=float("-inf"))
     block_scores = block_scores.unflatten(-1, (-1, block_size)).amax(dim=-1)
     newest = (visible - 1) // block_size  # -1 (no block) while nothing is visible
     block_ids = torch.arange(block_scores.shape[-1], device=scores.device)
-    block_scores = block_scores.masked_fill(block_ids == newest, float("inf"))
-    keep = top_k_mask(block_scores, topk_blocks)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return block_scores.masked_fill(block_ids == newest, float("inf"))
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int):
+    """First level of the two-level top-k: the `topk_blocks` best blocks per query (`candidate_block_scores`).
+    Returns a [B, S, T] bool mask of their latents."""
+    keep = top_k_mask(candidate_block_scores(scores, visible, block_size), topk_blocks)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :scores.shape[-1]]
 
 
 class DeepseekV41Attention(nn.Module):

@@ -209,7 +209,7 @@ class DeepseekV41Provider(ModelProvider):
         cp = parallel_state.get_context_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         split = cp * (tp if self.config_overrides.get("sequence_parallel") else 1)
-        return boundary_length(self.args, seq_length, self.params_dtype, cp) * split
+        return boundary_length(self.args, seq_length, self.params_dtype, cp, self.attention == "fast") * split
 
     def mapping(self):
         return deepseek_v41_mapping(self.hf_config, self.carried_tensors())

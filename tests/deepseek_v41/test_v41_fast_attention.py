@@ -7,7 +7,10 @@ fixed random probe of it with respect to the layer's input (through the compress
 and its window keys. Plain rows [2, 64] (past the window 8, the top-k 8 and the candidate budget) and a packed row
 of sequences of 3, 21 and 34 tokens (each sequence a right-padded row of its own). LAYER_TOLERANCE = 1e-5 of each
 tensor's largest magnitude: the same fp32 math summed in another order (measured at most 3.3e-7 on the outputs); a
-window key or pick missed or added moves the output by a whole key's share of the softmax (~1e-1).
+window key or pick missed or added moves the output by a whole key's share of the softmax (~1e-1). Each path reads
+the state in its own form (the fast path's picks are ids: the exact path's masks turned into ids), and what the index
+sources publish must be the same picks: the fast path's ids mark exactly the exact path's masks, scored a few
+queries at a time (`PICK_CHUNK_SCORES` made small, so that every row is scored in several chunks).
 
 Where a GPU is present (the model's device: `runtime.device()`) the same comparison runs the fast path's picks through V4's sparse Triton kernels (fp32
 products in IEEE precision) and the window-only layers through the dense blocks.
@@ -23,29 +26,53 @@ import torch
 from dsv41_helpers import V41_TINY, random_rows
 
 from modelzoo import build_provider, runtime
-from modelzoo.deepseek_v41.model.attention import DeepseekV41Attention, picked_latents
+from modelzoo.deepseek_v41.hf_model import CompressedState
+from modelzoo.deepseek_v41.model import attention as attention_module
+from modelzoo.deepseek_v41.model.attention import (DeepseekV41Attention, latents_in_blocks, picked_mask,
+                                                   state_values)
 from modelzoo.layers.sequences import pack_sequences
 
 LAYER_TOLERANCE = 1e-5
 LENGTHS = (3, 21, 34)
+CHUNK_SCORES = 1000  # rows of 16 to 64 latents scored 7 to 31 queries at a time
+
+
+def mask_ids(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """A mask [..., T] as ids [..., min(k, T)] of its set entries, -1 for an empty slot (it holds at most k)."""
+    chosen, ids = mask.to(torch.uint8).topk(min(k, mask.shape[-1]), dim=-1)
+    return torch.where(chosen.bool(), ids, -1)
+
+
+def as_ids(read: tuple, attention: DeepseekV41Attention) -> tuple:
+    """The exact path's state values with its masks as the fast path's ids."""
+    state = CompressedState(*read)
+    if state.selected is not None:
+        state.selected = mask_ids(state.selected, attention.index_topk)
+    if state.candidates is not None:  # a block's latents are all in or all out: its first says which
+        blocks = state.candidates[..., ::attention.candidate_block_size]
+        state.candidates = mask_ids(blocks, attention.candidate_topk_blocks)
+    return state_values(state)
 
 
 def _both_paths(records: list, original):
     """A `DeepseekV41Attention.core` that also runs both paths on detached copies of the inputs and records
-    (layer, {path: (output, input grads...)}); the forward goes on with the exact path's output."""
+    (layer, {path: (output, input grads...)}, {path: the state it publishes}, its candidate block size); the forward goes on with the exact
+    path's output."""
 
     def core(self, x, q_residual, queries, keys, shares, *read):
-        results = {}
+        results, published = {}, {}
         for path in ("exact", "fast"):
             self.attention = path
             inputs = [tensor.detach().requires_grad_() for tensor in (x, queries, keys)]
             with torch.enable_grad():
-                attended = original(self, inputs[0], q_residual, *inputs[1:], shares, *read)[0]
+                attended, *after = original(self, inputs[0], q_residual, *inputs[1:], shares,
+                                            *(as_ids(read, self) if path == "fast" else read))
                 probe = torch.randn(attended.shape, generator=torch.Generator().manual_seed(self.layer_idx))
                 probe = probe.to(attended.device)
                 attended.backward(probe)
             results[path] = (attended.detach(), *(tensor.grad for tensor in inputs))
-        records.append((self.layer_idx, results))
+            published[path] = CompressedState(*after)
+        records.append((self.layer_idx, results, published, self.candidate_block_size))
         self.attention = "exact"
         return original(self, x, q_residual, queries, keys, shares, *read)
 
@@ -60,6 +87,7 @@ def layer_records() -> dict[str, list]:
     recorded = {"rows": [], "packed": []}
     original = DeepseekV41Attention.core
     with runtime.parallel(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_module, "PICK_CHUNK_SCORES", CHUNK_SCORES)
         provider = build_provider(V41_TINY)
         model = provider.provide()
         provider.load_hf_weights(model, progress=False)
@@ -73,8 +101,14 @@ def layer_records() -> dict[str, list]:
 
 def check(records: dict[str, list], form: str) -> None:
     layers = records[form]
-    assert [layer for layer, _ in layers] == list(range(10))
-    for layer, results in layers:
+    assert [layer for layer, *_ in layers] == list(range(10))
+    for layer, results, published, block_size in layers:
+        exact, fast = published["exact"], published["fast"]
+        if exact.selected is not None:
+            width = exact.selected.shape[-1]
+            assert torch.equal(picked_mask(fast.selected, width), exact.selected), (form, layer)
+        if exact.candidates is not None:
+            assert torch.equal(latents_in_blocks(fast.candidates, width, block_size), exact.candidates), (form, layer)
         for name, exact, fast in zip(("output", "x grad", "query grad", "key grad"), results["exact"],
                                      results["fast"], strict=True):
             if name == "x grad" and exact is None:  # only a KV source's compressor reads x with a gradient
@@ -101,14 +135,12 @@ def test_the_kernels_attend_alike_in_triton_interpreter(run_in_triton_interprete
     run_in_triton_interpreter(__file__)
 
 
-def test_picks_are_the_masks_latents():
-    selected = torch.zeros(1, 3, 6, dtype=torch.bool)
-    selected[0, 1, [4, 1]] = True
-    selected[0, 2, [0, 2, 5]] = True
-    picks = picked_latents(selected, 3)
-    assert picks.shape == (1, 3, 3)
-    assert [sorted(row) for row in picks[0].tolist()] == [[-1, -1, -1], [-1, 1, 4], [0, 2, 5]]
-    assert picked_latents(selected, 8).shape == (1, 3, 6)  # never wider than the latents
+def test_ids_mark_their_latents_and_blocks():
+    ids = torch.tensor([[[-1, -1, -1], [4, 1, -1], [0, 5, 2]]])
+    assert picked_mask(ids, 6).tolist() == [[[False] * 6, [False, True, False, False, True, False],
+                                             [True, False, True, False, False, True]]]
+    blocks = torch.tensor([[[2, -1], [0, 1]]])  # blocks of 3 latents, the last one partly filled
+    assert latents_in_blocks(blocks, 7, 3).int().tolist() == [[[0, 0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1, 0]]]
 
 
 if __name__ == "__main__":  # under TRITON_INTERPRET=1 (the test above): the kernels on CPU tensors

@@ -37,7 +37,8 @@ of the whole rows.
 - The boundary tensor: under bf16 (no spawn) the fp32 `pre` and token ids above 256 come back exactly; under
   sequence parallelism a TP rank's slice of a row shorter than the padded length carries only its real tokens.
 - The CLI's `parity` passes at `--pp 2`, `--pp 2 --cp 2`, `--pp 2 --tp 2 --sp` and, on eight ranks,
-  `--pp 2 --tp 2 --sp --cp 2` (rows and packed).
+  `--pp 2 --tp 2 --sp --cp 2` (rows and packed); with `--attention fast` at `--pp 2` and `--pp 2 --cp 2`, whose
+  stages send the picks as ids.
 """
 
 from __future__ import annotations
@@ -367,6 +368,37 @@ def test_the_boundary_tensor_carries_pre_and_ids_exactly_in_bf16():
     assert not torch.equal(pre.bfloat16().float(), pre)
 
 
+def test_the_fast_paths_picks_travel_as_ids_exactly_in_bf16():
+    """Under attention="fast" the top-k and the candidate blocks travel as ids: rows of 600 and 300 tokens (padded
+    to 600) after a ratio-1 source, ids past 255. They come back exactly, the padded queries' slots -1, in a tensor
+    that grows linearly with the length where the masks' grows with its square."""
+    from modelzoo.deepseek_v41.config import DeepseekV41Args
+    from modelzoo.deepseek_v41.hf_model import CompressedState
+    from modelzoo.deepseek_v41.model.pipeline import Boundary, RowShapes, boundary_length, pack, unpack
+
+    args = DeepseekV41Args.from_hf(build_provider(V41_TINY).hf_config)
+    generator = torch.Generator().manual_seed(0)
+    lengths, text = [600, 300], args.text
+    state = CompressedState(1, torch.randn(2, 600, args.head_dim, generator=generator).bfloat16(),
+                            torch.randn(2, 600, args.index_head_dim, generator=generator).bfloat16())
+    picks = {"selected": (args.index_topk, 1), "candidates": (text.candidate_topk_blocks, text.candidate_block_size)}
+    for name, (width, per_id) in picks.items():
+        ids = torch.stack([torch.randint(-1, length // per_id, (600, width), generator=generator)
+                           for length in lengths])
+        ids[1, 300:] = -1  # the second row's padding
+        setattr(state, name, ids)
+    assert state.selected.max() > 255
+    boundary, shapes = Boundary(1, True, True, picks_as_ids=True), RowShapes.of(lengths, 600, lengths, 600)
+    sent = pack(args, boundary, torch.zeros(2, 600, args.hc_mult, args.hidden_size), torch.zeros(2, 600, args.hc_mult),
+                state, shapes, torch.zeros(2, 600, dtype=torch.long), torch.bfloat16,
+                boundary_length(args, 600, torch.bfloat16, picks_as_ids=True))
+    _, _, received = unpack(args, boundary, sent, shapes, torch.bfloat16, torch.bfloat16)
+    assert torch.equal(received.selected, state.selected) and torch.equal(received.candidates, state.candidates)
+    as_ids, as_masks = ([boundary_length(args, length, torch.bfloat16, picks_as_ids=ids) for length in (600, 6000)]
+                        for ids in (True, False))
+    assert as_ids[1] < 11 * as_ids[0] and as_masks[1] > 50 * as_masks[0]
+
+
 def test_a_sequence_parallel_slice_carries_its_real_tokens_only():
     """TP rank 1 of 2 on rows of 5 and 12 tokens padded to 12: it holds tokens 6..11 of each, none of the first row's
     (5 tokens) and all 6 of the second's; what it sends comes back at those slots, zeros elsewhere."""
@@ -388,15 +420,17 @@ def test_a_sequence_parallel_slice_carries_its_real_tokens_only():
     assert received_streams[0].abs().max() == 0 and received_pre[0].abs().max() == 0
 
 
-@pytest.mark.parametrize("layout", [[], ["--cp", "2"], ["--tp", "2", "--sp"], ["--tp", "2", "--sp", "--cp", "2"]],
-                         ids=["pp2", "pp2-cp2", "pp2-tp2-sp", "pp2-tp2-sp-cp2 (eight ranks)"])
+@pytest.mark.parametrize("layout", [[], ["--cp", "2"], ["--tp", "2", "--sp"], ["--tp", "2", "--sp", "--cp", "2"],
+                                    ["--attention", "fast"], ["--cp", "2", "--attention", "fast"]],
+                         ids=["pp2", "pp2-cp2", "pp2-tp2-sp", "pp2-tp2-sp-cp2 (eight ranks)", "pp2-fast",
+                              "pp2-cp2-fast"])
 def test_cli_parity_at_pp_2(capsys, layout):
     from modelzoo.conversion.cli import main
 
     assert main(["parity", str(V41_TINY), "--pp", "2", *layout, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["pp"] == 2 and report["passed"]
-    assert (report["cp"], report["tp"], report["sp"]) == {0: (1, 1, False), 2: (2, 1, False), 3: (1, 2, True),
-                                                          5: (2, 2, True)}[len(layout)]
+    assert (report["cp"], report["tp"], report["sp"]) == (1 + ("--cp" in layout), 1 + ("--tp" in layout),
+                                                          "--sp" in layout)
     assert report["max_abs_diff_logprobs"] <= LOGPROB_TOLERANCE
     assert report["max_abs_diff_logprobs_packed"] <= LOGPROB_TOLERANCE

@@ -26,8 +26,12 @@ computation (K/V, latents, indexer), so every TP rank rounds the same values ali
 
 Activation recompute: the compressed entries and the attention over them (`core`, selective "core_attn") take the
 state they read as explicit inputs and return the state after this layer, so that their recompute in the backward
-re-reads what the forward read and publishes nothing; the indexer's picks (masks, no gradient) are kept from the
+re-reads what the forward read and publishes nothing; the indexer's picks (no gradient) are kept from the
 forward (`kept_for_recompute`).
+
+`attention="fast"` keeps the picks as ids rather than masks (`CompressedState.selected` [B, S, k] latent ids,
+`.candidates` [B, S, kb] block ids, -1 for an empty slot; the same choice as the masks, ties included) and scores
+the queries in chunks, so that nothing of size queries x latents outlives a chunk: memory linear in the length.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from modelzoo.deepseek_v41.hf_model import (
     fake_quant_fp4,
     fake_quant_fp8,
     rope_inverse_frequencies,
+    candidate_block_scores,
     select_candidate_blocks,
     top_k_mask,
 )
@@ -161,11 +166,33 @@ def sink_attention(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Ten
     return torch.einsum("...hqk,...kd->...qhd", probabilities, keys.float()).to(queries.dtype)
 
 
+PICK_CHUNK_SCORES = 1 << 26  # the fast path scores this many (query, latent) pairs at a time: 256 MiB of fp32
+
+
+def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_k_mask`'s choice (the k best finite entries along the last dim, ties to the lower index) as ids
+    [..., min(k, T)], -1 for an empty slot."""
+    order = scores.sort(dim=-1, descending=True, stable=True)
+    return torch.where(order.values[..., :k] > float("-inf"), order.indices[..., :k], -1)
+
+
+def latents_in_blocks(block_ids: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """Block ids [..., kb] (-1: none) -> the mask [..., width] of the latents in those blocks."""
+    blocks = picked_mask(block_ids, -(-width // block_size))
+    return blocks.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
 def picked_latents(selected: torch.Tensor, k: int) -> torch.Tensor:
-    """The top-k mask [B, S, T] as latent ids [B, S, min(k, T)], -1 for an empty slot (the fast attention's picks;
-    a mask holds at most k picks)."""
+    """A top-k mask [..., T] as latent ids [..., min(k, T)], -1 for an empty slot (a mask holds at most k picks)."""
     chosen, ids = selected.to(torch.uint8).topk(min(k, selected.shape[-1]), dim=-1)
     return torch.where(chosen.bool(), ids, -1)
+
+
+def picked_mask(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Ids [..., k] (-1: none) -> the mask [..., width] they mark (`picked_latents` undone)."""
+    slots = torch.where(ids >= 0, ids, width)
+    kept = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.bool, device=ids.device)
+    return kept.scatter_(-1, slots, True)[..., :width]
 
 
 def query_positions(x: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
@@ -262,7 +289,7 @@ class DeepseekV41Attention(nn.Module):
         state = CompressedState(*read)
         latents = self.compressed_keys(x, q_residual, state, shares) if self.ratio else None
         if self.attention == "fast":
-            picks = None if latents is None else picked_latents(state.selected, self.index_topk)
+            picks = None if latents is None else state.selected
             return self.attend_picks(queries, keys, latents, picks, state.ratio, shares), *state_values(state)
         positions = query_positions(x, shares)
         offset = positions[..., :, None] - torch.arange(keys.shape[1], device=x.device)
@@ -317,18 +344,31 @@ class DeepseekV41Attention(nn.Module):
             state.candidates, state.selected = kept_for_recompute(lambda: self.pick(x, q_residual, state, shares))
         return state.kv
 
-    @torch.no_grad()  # masks: what the scores feed passes no gradient
+    @torch.no_grad()  # picks: what the scores feed passes no gradient
     def pick(self, x: torch.Tensor, q_residual: torch.Tensor, state: CompressedState,
              shares: SequenceShares | None = None):
-        """(the candidate blocks after this layer, its top-k) [B, S, T] bool, from the indexer's scores of this rank's
-        queries."""
-        ratio, candidates = self.ratio, state.candidates
+        """(the candidate blocks after this layer, its top-k) from the indexer's scores of this rank's queries:
+        [B, S, T] bool masks, or under `attention="fast"` ids, [B, S, kb] of blocks and [B, S, k] of latents (-1: an
+        empty slot), scored a chunk of queries at a time so that no [S, T] tensor lives."""
+        fast = self.attention == "fast"
         positions = query_positions(x, shares)
+        chunk = max(1, PICK_CHUNK_SCORES // (x.shape[0] * state.index_keys.shape[1])) if fast else x.shape[1]
+        picks = [self.pick_queries(x[:, part], q_residual[:, part], positions[..., part], state.index_keys,
+                                   None if state.candidates is None else state.candidates[:, part], fast)
+                 for part in (slice(start, start + chunk) for start in range(0, x.shape[1], chunk))]
+        candidates, selected = zip(*picks)
+        return (state.candidates if candidates[0] is None else torch.cat(candidates, dim=1)), torch.cat(selected, 1)
+
+    def pick_queries(self, x, q_residual, positions, index_keys, candidates, fast: bool):
+        """`pick` for the queries at `positions` ([S] or [B, S]); `candidates`: theirs so far, or None."""
+        ratio, block_size, width = self.ratio, self.candidate_block_size, index_keys.shape[1]
         cos, sin = self.compress_rotary(positions, x.dtype)
         visible = (positions[..., None] + 1) // ratio  # latent j < (t + 1) // r
-        scores = self.indexer(x, q_residual, state.index_keys, cos, sin, visible, kernel=self.attention == "fast")
+        scores = self.indexer(x, q_residual, index_keys, cos, sin, visible, kernel=fast)
         if self.is_candidate_source:
-            candidates = select_candidate_blocks(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
+            candidates = (top_k_ids(candidate_block_scores(scores, visible, block_size), self.candidate_topk_blocks)
+                          if fast else select_candidate_blocks(scores, visible, self.candidate_topk_blocks, block_size))
         elif self.uses_candidates and candidates is not None:
-            scores = scores.masked_fill(~candidates, float("-inf"))
-        return candidates, top_k_mask(scores, self.index_topk)
+            allowed = latents_in_blocks(candidates, width, block_size) if fast else candidates
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return candidates, top_k_ids(scores, self.index_topk) if fast else top_k_mask(scores, self.index_topk)

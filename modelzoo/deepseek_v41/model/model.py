@@ -205,7 +205,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
         # as Megatron's TransformerBlock: runs of this stage's layers, each under one checkpoint or not
         self.decoder.recompute_groups = full_recompute_groups(config, len(self.decoder.layers))
         # what the previous stage hands this one's first layer
-        self.boundary = pipeline.Boundary.before(args, self.decoder.layers[0].layer_idx)
+        self.picks_as_ids = attention == "fast"  # the fast attention's picks are ids (model/attention.py)
+        self.boundary = pipeline.Boundary.before(args, self.decoder.layers[0].layer_idx, self.picks_as_ids)
         self.mtp = nn.Module()
         self.mtp.layers = nn.ModuleList()
         if post_process:
@@ -307,7 +308,8 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
             hidden = self.each_sequence(input_ids, layout, entering)
         if not self.post_process:  # the rows' streams, pre and state for the next stage
             cp = self.config.context_parallel_size
-            rows = pipeline.boundary_length(self.args, input_ids.shape[1] * cp, self.config.pipeline_dtype, cp)
+            rows = pipeline.boundary_length(self.args, input_ids.shape[1] * cp, self.config.pipeline_dtype, cp,
+                                            self.picks_as_ids)
             return pipeline.pack(self.args, self.boundary_after(), *hidden, shapes, input_ids,
                                  self.config.pipeline_dtype, rows)
         logits, _ = self.output_layer(hidden)
@@ -410,7 +412,7 @@ class DeepseekV41Model(gpt_call.GPTModelSurface, MegatronModule):
 
     def boundary_after(self) -> pipeline.Boundary:
         """What this stage hands the next."""
-        return pipeline.Boundary.before(self.args, self.decoder.layers[-1].layer_idx + 1)
+        return pipeline.Boundary.before(self.args, self.decoder.layers[-1].layer_idx + 1, self.picks_as_ids)
 
     def engram_hashes(self, input_ids: torch.Tensor, shares: SequenceShares | None) -> torch.Tensor:
         """The n-gram hash ids of each token [B, S, engram layers, columns]; under context parallelism the n-grams

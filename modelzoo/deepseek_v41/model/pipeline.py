@@ -21,6 +21,10 @@ source before the stage (r its ratio):
                  q c          the top-k each query attends, 0 / 1
                  q c          the candidate blocks, 0 / 1, when the candidate source is before the stage
 
+Under `attention="fast"` the layers hold the picks as ids, and so they travel: q k' 3 for the top-k, q b' 3 for the
+candidate blocks, each id + 1 as three base-256 digits (0: an empty slot), k' = min(index top-k, c) and b' =
+min(candidate top blocks, c / block size rounded up): linear in the length where the masks are quadratic.
+
 Without context or sequence parallelism n = q = the row's length. Under context parallelism n = q = the rank's
 tokens of the sequence (its length / CP in Megatron's layout), while the latents are the whole sequence's (every
 rank pools them all). Under sequence parallelism n is the row's real tokens in this TP rank's slice of S / tp, while
@@ -41,6 +45,7 @@ pieces travel is a function of the configuration and the stage's first layer (`B
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -67,7 +72,7 @@ def split_fp32(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def digits(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if int(ids.max()) >= 256**ID_DIGITS or int(ids.min()) < 0:
+    if ids.numel() and (int(ids.max()) >= 256**ID_DIGITS or int(ids.min()) < 0):
         raise ValueError(f"deepseek_v41: token ids between pipeline stages travel as {ID_DIGITS} base-256 digits; "
                          f"got ids outside 0..{256**ID_DIGITS - 1}")
     return torch.stack([ids // 256**place % 256 for place in range(ID_DIGITS)], dim=-1).to(dtype)
@@ -107,21 +112,23 @@ class RowShapes:
 class Boundary:
     """What enters the stage whose first layer is `first_layer`: the ratio of the last KV source before it (0: none,
     no latents travel), whether an index source has selected among its latents since, whether the candidate
-    source is before it."""
+    source is before it, whether the picks are ids (`attention="fast"`) rather than masks."""
 
     ratio: int
     selected: bool
     candidates: bool
+    picks_as_ids: bool = False
 
     @classmethod
-    def before(cls, args: DeepseekV41Args, first_layer: int) -> Boundary:
+    def before(cls, args: DeepseekV41Args, first_layer: int, picks_as_ids: bool = False) -> Boundary:
         text = args.text
         sources = [layer for layer in text.kv_source_layer_ids if layer < first_layer]
         if not sources:
-            return cls(0, False, False)
+            return cls(0, False, False, picks_as_ids)
         last = sources[-1]
         selected = any(last <= layer < first_layer for layer in text.index_source_layer_ids)
-        return cls(text.compress_ratios[last], selected, 0 <= text.candidate_source_layer_id < first_layer)
+        return cls(text.compress_ratios[last], selected, 0 <= text.candidate_source_layer_id < first_layer,
+                   picks_as_ids)
 
     def latents(self, length: int) -> int:
         return length // self.ratio if self.ratio else 0
@@ -133,6 +140,17 @@ class Boundary:
         return tuple(name for name, present in (("selected", self.selected), ("candidates", self.candidates))
                      if present)
 
+    def pick_shape(self, args: DeepseekV41Args, name: str, length: int) -> tuple[int, ...]:
+        """A query's numbers of the picks `name` in a row of `length` tokens: its mask over the latents, or its ids
+        (as many as can be set) as ID_DIGITS digits each."""
+        latents = self.latents(length)
+        if not self.picks_as_ids:
+            return (latents,)
+        text = args.text
+        width = (min(args.index_topk, latents) if name == "selected" else
+                 min(text.candidate_topk_blocks, -(-latents // text.candidate_block_size)))
+        return width, ID_DIGITS
+
     def row_sizes(self, args: DeepseekV41Args, tokens: int, queries: int, length: int, dtype: torch.dtype,
                   padded_length: int) -> list[int]:
         """The numbers of each piece of a row with `tokens` tokens and `queries` queries here, of `length` tokens
@@ -141,15 +159,16 @@ class Boundary:
         sizes = [tokens * args.hc_mult * args.hidden_size, *[tokens * args.hc_mult] * pre_parts(dtype)]
         if self.ratio:
             sizes += [latents * args.head_dim, latents * args.index_head_dim]
-            sizes += [queries * latents] * len(self.masks(padded_length))
+            sizes += [queries * math.prod(self.pick_shape(args, name, length)) for name in self.masks(padded_length)]
         return sizes
 
 
-def boundary_length(args: DeepseekV41Args, seq_length: int, dtype: torch.dtype, context_parallel: int = 1) -> int:
+def boundary_length(args: DeepseekV41Args, seq_length: int, dtype: torch.dtype, context_parallel: int = 1,
+                    picks_as_ids: bool = False) -> int:
     """L of the [L, B, H] tensor a rank sends between stages for micro-batches of rows of `seq_length` tokens, each
     CP rank holding seq_length / `context_parallel` of them."""
     ratios = [args.text.compress_ratios[layer] for layer in args.text.kv_source_layer_ids]
-    widest = Boundary(min(ratios) if ratios else 0, True, args.text.candidate_source_layer_id >= 0)
+    widest = Boundary(min(ratios) if ratios else 0, True, args.text.candidate_source_layer_id >= 0, picks_as_ids)
     here = seq_length // context_parallel
     numbers = ID_DIGITS * (1 + 2 * here) + sum(widest.row_sizes(args, here, here, seq_length, dtype, seq_length))
     return -(-numbers // args.hidden_size)
@@ -174,7 +193,8 @@ def pack(args: DeepseekV41Args, boundary: Boundary, streams: torch.Tensor, pre: 
         pieces += [streams[row, :tokens].to(dtype), *[part[row, :tokens] for part in pre_pieces]]
         if boundary.ratio:
             pieces += [state.kv[row, :latents].to(dtype), state.index_keys[row, :latents].to(dtype)]
-            pieces += [getattr(state, name)[row, :queries, :latents].to(dtype) for name in masks]
+            pieces += [sent_picks(getattr(state, name)[row, :queries], boundary.pick_shape(args, name, length),
+                                  dtype) for name in masks]
     flat = torch.cat([piece.reshape(-1) for piece in pieces])
     if flat.numel() > batch * boundary_rows * args.hidden_size:
         raise AssertionError(f"{flat.numel()} numbers between pipeline stages, the tensor holds "
@@ -193,7 +213,7 @@ def received_ids(received: torch.Tensor) -> torch.Tensor:
 def unpack(args: DeepseekV41Args, boundary: Boundary, received: torch.Tensor, shapes: RowShapes, dtype: torch.dtype,
            compute_dtype: torch.dtype):
     """`pack`'s tensor -> the rows' (streams [R, n, N, H] in `compute_dtype`, pre [R, n, N] fp32, state), padded as
-    `shapes` says with zeros (0 / False); each piece a view of `received`, so gradients flow back into it."""
+    `shapes` says with zeros (0 / False, ids -1); each piece a view of `received`, so gradients flow back into it."""
     batch = received.shape[1]
     flat = received.transpose(0, 1).reshape(-1)
     seq_length = int(number(flat[:ID_DIGITS].detach()))
@@ -218,11 +238,20 @@ def unpack(args: DeepseekV41Args, boundary: Boundary, received: torch.Tensor, sh
         state.kv = padded(first, (args.head_dim,), latents).to(compute_dtype)
         state.index_keys = padded(first + 1, (args.index_head_dim,), latents).to(compute_dtype)
         for offset, name in enumerate(boundary.masks(shapes.padded_length)):
-            masks = [row[first + 2 + offset].view(queries, boundary.latents(length))
+            widest = boundary.pick_shape(args, name, shapes.padded_length)[0]
+            picks = [row[first + 2 + offset].detach().view(queries, *boundary.pick_shape(args, name, length))
                      for row, queries, length in zip(rows, shapes.queries, shapes.lengths)]
-            masks = [_pad_to(_pad_to(mask, latents, dim=1), shapes.padded_queries, dim=0) for mask in masks]
-            setattr(state, name, torch.stack(masks) != 0)
+            picks = torch.stack([_pad_to(_pad_to(pick, widest, dim=1), shapes.padded_queries, dim=0)
+                                 for pick in picks])
+            setattr(state, name, number(picks) - 1 if boundary.picks_as_ids else picks != 0)
     return streams, pre, state
+
+
+def sent_picks(picks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A row's picks for its queries [q, ...] as they travel: a mask's first `shape[0]` latents as 0 / 1, or its
+    first `shape[0]` ids + 1 as digits (an empty slot is 0)."""
+    picks = picks[:, :shape[0]]
+    return digits(picks + 1, dtype) if len(shape) > 1 else picks.to(dtype)
 
 
 def _pad_to(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
