@@ -15,14 +15,23 @@ queries at a time (`PICK_CHUNK_SCORES` made small, so that every row is scored i
 Where a GPU is present (the model's device: `runtime.device()`) the same comparison runs the fast path's picks through V4's sparse Triton kernels (fp32
 products in IEEE precision) and the window-only layers through the dense blocks.
 
+On the fast path memory grows linearly with the length: in a training step no op returns a tensor that grows faster
+than the row, with the per-chunk budgets (the picks' and V4's CPU window blocks') made small so that rows of 512 and
+1024 tokens are past them.
+
 The model-level checks (log-probs against the reference, gradients, context parallelism, recompute) run the fast
 path in test_v41_context_parallel.py.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from dsv41_helpers import V41_TINY, random_rows
 
 from modelzoo import build_provider, runtime
@@ -141,6 +150,51 @@ def test_ids_mark_their_latents_and_blocks():
                                              [True, False, True, False, False, True]]]
     blocks = torch.tensor([[[2, -1], [0, 1]]])  # blocks of 3 latents, the last one partly filled
     assert latents_in_blocks(blocks, 7, 3).int().tolist() == [[[0, 0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1, 0]]]
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most numbers any op returned while active, and that op's (name, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+                self.numel, self.op = tensor.numel(), (str(func), tuple(tensor.shape))
+        return out
+
+
+def test_the_fast_path_holds_nothing_that_grows_with_the_square_of_the_length(tmp_path, monkeypatch):
+    """A training step (forward + backward) of one row of 512 and of 1024 tokens (1024 latents at the ratio-1
+    layers): the largest tensor any op returns doubles on the fast path (measured: a [1, S, 4, 4, 64]
+    product) and quadruples on the exact path (its [heads, S, S + T] scores), the probe's check that
+    it sees a quadratic term. The picks score 2^14 query-latent pairs at a time and V4's window blocks 2^16 scores."""
+    from modelzoo.deepseek_v4.model import window_attention
+
+    monkeypatch.setattr(attention_module, "PICK_CHUNK_SCORES", 1 << 14)
+    monkeypatch.setattr(window_attention, "SCORE_BUDGET", 1 << 16)
+    folder = tmp_path / "deepseek-v41-tiny-1024"
+    shutil.copytree(V41_TINY, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 1024
+    (folder / "config.json").write_text(json.dumps(config))
+    largest = {}
+    with runtime.parallel():
+        for path in ("fast", "exact"):
+            provider = build_provider(folder, attention=path)
+            model = provider.provide()
+            provider.load_hf_weights(model, progress=False)
+            for length in (512, 1024):
+                rows = random_rows(1, length, seed=0).to(runtime.device())
+                probe = LargestTensor()
+                with probe:
+                    model(rows, labels=rows).sum().backward()
+                largest[path, length] = probe.numel
+    assert largest["fast", 1024] <= 2 * largest["fast", 512], largest
+    assert largest["exact", 1024] >= 3.9 * largest["exact", 512], largest
 
 
 if __name__ == "__main__":  # under TRITON_INTERPRET=1 (the test above): the kernels on CPU tensors
