@@ -258,9 +258,9 @@ def deepseek_v41(res: Results) -> str:
 
 {table(header, rows)}
 
-Our reference's eager attention materialises `[heads, S, S + T]` scores and does not fit at 4096 tokens, so the
-ratio to it is not measured. Ours holds {memory[short]['peak_memory_gib']:.0f} GiB at 4096 tokens without recompute: the
-indexer's scores and the top-k and candidate masks are still [S, T] (docs/deepseek_v41.md, "The fast attention")."""
+Our reference's eager attention (`[heads, S, S + T]` scores) does not fit at 4096 tokens: the ratio is not measured.
+These runs predate the picks as ids ({memory[short]['peak_memory_gib']:.0f} GiB at 4096 tokens held [S, T] masks);
+the ids path (docs/deepseek_v41.md) is linear in memory by test, not yet measured on a GPU."""
 
 
 def deepseek_v4_long(res: Results) -> str:
