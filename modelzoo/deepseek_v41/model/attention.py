@@ -182,14 +182,8 @@ def latents_in_blocks(block_ids: torch.Tensor, width: int, block_size: int) -> t
     return blocks.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def picked_latents(selected: torch.Tensor, k: int) -> torch.Tensor:
-    """A top-k mask [..., T] as latent ids [..., min(k, T)], -1 for an empty slot (a mask holds at most k picks)."""
-    chosen, ids = selected.to(torch.uint8).topk(min(k, selected.shape[-1]), dim=-1)
-    return torch.where(chosen.bool(), ids, -1)
-
-
 def picked_mask(ids: torch.Tensor, width: int) -> torch.Tensor:
-    """Ids [..., k] (-1: none) -> the mask [..., width] they mark (`picked_latents` undone)."""
+    """Ids [..., k] (-1: none) -> the mask [..., width] they mark."""
     slots = torch.where(ids >= 0, ids, width)
     kept = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.bool, device=ids.device)
     return kept.scatter_(-1, slots, True)[..., :width]

@@ -188,13 +188,13 @@ def pack(args: DeepseekV41Args, boundary: Boundary, streams: torch.Tensor, pre: 
     pieces = [digits(input_ids.new_tensor([seq_length]), dtype), digits(input_ids, dtype)]
     pre_pieces = split_fp32(pre, dtype)
     masks = boundary.masks(shapes.padded_length)
+    sent = {name: sent_picks(getattr(state, name), boundary.picks_as_ids, dtype) for name in masks}
     for row, (tokens, queries, length) in enumerate(zip(shapes.tokens, shapes.queries, shapes.lengths)):
         latents = boundary.latents(length)
         pieces += [streams[row, :tokens].to(dtype), *[part[row, :tokens] for part in pre_pieces]]
         if boundary.ratio:
             pieces += [state.kv[row, :latents].to(dtype), state.index_keys[row, :latents].to(dtype)]
-            pieces += [sent_picks(getattr(state, name)[row, :queries], boundary.pick_shape(args, name, length),
-                                  dtype) for name in masks]
+            pieces += [sent[name][row, :queries, :boundary.pick_shape(args, name, length)[0]] for name in masks]
     flat = torch.cat([piece.reshape(-1) for piece in pieces])
     if flat.numel() > batch * boundary_rows * args.hidden_size:
         raise AssertionError(f"{flat.numel()} numbers between pipeline stages, the tensor holds "
@@ -247,11 +247,10 @@ def unpack(args: DeepseekV41Args, boundary: Boundary, received: torch.Tensor, sh
     return streams, pre, state
 
 
-def sent_picks(picks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A row's picks for its queries [q, ...] as they travel: a mask's first `shape[0]` latents as 0 / 1, or its
-    first `shape[0]` ids + 1 as digits (an empty slot is 0)."""
-    picks = picks[:, :shape[0]]
-    return digits(picks + 1, dtype) if len(shape) > 1 else picks.to(dtype)
+def sent_picks(picks: torch.Tensor, as_ids: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The rows' picks as they travel (converted once for every row): a mask as 0 / 1, or ids + 1 as digits (an
+    empty slot is 0)."""
+    return digits(picks + 1, dtype) if as_ids else picks.to(dtype)
 
 
 def _pad_to(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
